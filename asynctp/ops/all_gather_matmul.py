@@ -1,0 +1,132 @@
+"""all_gather_matmul: all-gather a sharded activation and multiply it by one or more matrices,
+overlapping the gather with the matmuls (column-parallel linear with sequence parallelism)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asynctp.ops.layout import GatherLayout, gather_layout
+from asynctp.ops.pipeline import gather_and_consume
+from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
+from asynctp.ops.strategy import choose
+from asynctp.ops.validate import check_all_gather_matmul
+from asynctp.symm import Workspace, group_name_of, resolve_group
+
+__all__ = ["all_gather_matmul"]
+
+
+def all_gather_matmul(
+    a_shard: torch.Tensor,
+    bs: list[torch.Tensor],
+    gather_dim: int,
+    group: Any,
+    *,
+    return_a: bool = True,
+    biases: list[torch.Tensor | None] | None = None,
+    strategy: str = "auto",
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """All-gather `a_shard` along `gather_dim`, then multiply by each b in `bs`.
+
+    Equivalent to the following plain PyTorch code::
+
+        a_gathered = torch.cat(all_gather(a_shard, group), dim=gather_dim)
+        outs = [a_gathered @ b + bias for b, bias in zip(bs, biases)]
+        return (a_gathered if return_a else None), outs
+
+    Shapes: a_shard [..., s, ..., K'] (any dim may be the gather dim, the last one too: then
+    K = R * K' and each b is [K, N_i]); bs[i] [K, N_i] (nn.Linear weight.t()); biases[i] [N_i].
+    Several bs share one gather (fused QKV, w1 + w3). Outputs never alias a shared buffer.
+
+    strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
+    (pull-based ring over the symmetric workspace, copies overlapped with the matmuls).
+    """
+    group_name = group_name_of(group)
+    world_size = resolve_group(group_name).size()
+    _, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, world_size, biases, strategy)
+    if not isinstance(return_a, bool):
+        raise TypeError(f"return_a requires a bool, got {type(return_a).__name__}")
+    a_gathered, outs = torch.ops.asynctp.all_gather_matmul(
+        a_shard, bs, gather_dim, group_name, return_a, biases, strategy
+    )
+    return a_gathered, list(outs)
+
+
+@torch.library.custom_op(
+    "asynctp::all_gather_matmul",
+    mutates_args=(),
+    schema="(Tensor a_shard, Tensor[] bs, int gather_dim, str group_name, bool return_a, "
+    "Tensor?[] biases, str strategy) -> (Tensor?, Tensor[])",
+)
+def _all_gather_matmul_op(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
+    group = resolve_group(group_name)
+    dim, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, group.size(), biases, strategy)
+    lay = gather_layout(a_shard, dim, group.size())
+    m_total = lay.m * (1 if lay.k_mode else group.size())
+    n_total = sum(b.shape[1] for b in bs)
+    shape_key = (str(a_shard.dtype).removeprefix("torch."), m_total, n_total, bs[0].shape[0])
+    chosen, ws = choose("all_gather_matmul", strategy, group, a_shard.device, shape_key)
+    if chosen == "serial":
+        return all_gather_matmul_serial(lay, bs, biases, group, return_a)
+    with ws.running("all_gather_matmul"):
+        return _pipelined(ws, lay, bs, biases, return_a)
+
+
+@_all_gather_matmul_op.register_fake
+def _(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
+    world_size = resolve_group(group_name).size()
+    dim, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, world_size, biases, strategy)
+    lay = gather_layout(a_shard, dim, world_size)
+    rows = lay.new_rows(lay.shard_2d.shape[1])
+    if lay.k_mode:
+        outs = [lay.restore(lay.shard_2d.new_empty((lay.m, b.shape[1]))) for b in bs]
+    else:
+        outs = [lay.restore(lay.new_rows(b.shape[1])) for b in bs]
+    return (lay.a_gathered(rows) if return_a else None), outs
+
+
+def _pipelined(
+    ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    rows = lay.new_rows(lay.shard_2d.shape[1])
+    if lay.k_mode:
+        outs = _consume_k_blocks(ws, lay, rows, bs, biases)
+    else:
+        out_rows = [lay.new_rows(b.shape[1]) for b in bs]
+        m = lay.m
+
+        def consume(src: int, chunks: list[torch.Tensor]) -> None:
+            for out, b, bias in zip(out_rows, bs, biases):
+                matmul_bias(chunks[0], b, bias, out=out[src * m : (src + 1) * m])
+
+        gather_and_consume(ws, [lay.shard_2d], [rows], consume)
+        outs = [lay.restore(o) for o in out_rows]
+    return (lay.a_gathered(rows) if return_a else None), outs
+
+
+def _consume_k_blocks(
+    ws: Workspace, lay: GatherLayout, rows: torch.Tensor, bs: list[torch.Tensor], biases: list
+) -> list[torch.Tensor]:
+    """Gather along K: rank r's block [M, k] multiplies rows r*k:(r+1)*k of b; products are
+    accumulated in fp32 (one rounding at the end, with the bias, as one GEMM would)."""
+    k = lay.shard_2d.shape[1]
+    acc_dtype = torch.float64 if lay.shard_2d.dtype == torch.float64 else torch.float32
+    accs = [lay.shard_2d.new_zeros((lay.m, b.shape[1]), dtype=acc_dtype) for b in bs]
+
+    def consume(src: int, chunks: list[torch.Tensor]) -> None:
+        for acc, b in zip(accs, bs):
+            block = b[src * k : (src + 1) * k]
+            if acc.dtype == chunks[0].dtype:
+                acc.addmm_(chunks[0], block)
+            else:
+                acc.add_(torch.mm(chunks[0], block))
+
+    # one stream: the accumulators are shared by every step
+    gather_and_consume(ws, [lay.shard_2d], [rows], consume, alternate=False)
+    outs = []
+    for acc, bias in zip(accs, biases):
+        if bias is not None:
+            acc.add_(bias)
+        outs.append(lay.restore(acc.to(lay.shard_2d.dtype)))
+    return outs

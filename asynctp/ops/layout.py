@@ -1,0 +1,100 @@
+"""How an N-D gather/scatter along any dim maps onto 2-D row blocks, and back.
+
+Shape legend (R = world size):
+    a_shard   [..., s at gather_dim, ..., K]   this rank's shard
+    shard_2d  [m, K]        a_shard with gather_dim moved first, flattened (m = numel / K)
+    rows      [R * m, K]    every rank's shard_2d stacked in rank order (what all_gather gives)
+Gathering along the last dim (K) is the "k mode": shard_2d is [M, k] and rank r's block of
+the gathered matrix is columns r*k:(r+1)*k, which multiplies rows r*k:(r+1)*k of b.
+
+Outputs are views of fresh contiguous row tensors with the gather/scatter dim moved back, so
+serial and pipelined strategies (and the fake implementations) return identical layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout"]
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    shard_2d: torch.Tensor  # [m, K] (k mode: [M, k]), contiguous
+    dim: int  # normalized gather dim
+    k_mode: bool
+    world_size: int
+    front_shape: tuple[int, ...]  # rows viewed N-D, gather dim first (row mode); a_shard.shape[:-1] (k mode)
+
+    @property
+    def m(self) -> int:
+        return self.shard_2d.shape[0]
+
+    def new_rows(self, cols: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fresh [R * m, cols] tensor (the gathered rows, or row-mode outputs)."""
+        return self.shard_2d.new_empty((self.world_size * self.m, cols), dtype=dtype)
+
+    def a_gathered(self, rows: torch.Tensor) -> torch.Tensor:
+        """The gathered a from stacked rows [R * m, k]: the serial reference's layout."""
+        if self.k_mode:
+            lead = self.front_shape
+            k = rows.shape[1]
+            full = rows.view(self.world_size, self.m, k).permute(1, 0, 2).reshape(self.m, self.world_size * k)
+            return full.view(*lead, self.world_size * k)
+        return self.restore(rows)
+
+    def restore(self, out_2d: torch.Tensor) -> torch.Tensor:
+        """A row-mode [R * m, n] result (or k-mode [M, n]) as N-D with the gather dim in place."""
+        if self.k_mode:
+            return out_2d.view(*self.front_shape, out_2d.shape[1])
+        out = out_2d.view(*self.front_shape[:-1], out_2d.shape[1])
+        return out.movedim(0, self.dim) if self.dim else out
+
+
+def gather_layout(a_shard: torch.Tensor, dim: int, world_size: int) -> GatherLayout:
+    if dim == a_shard.ndim - 1:
+        shard_2d = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()
+        return GatherLayout(shard_2d, dim, True, world_size, tuple(a_shard.shape[:-1]))
+    front = a_shard.movedim(dim, 0) if dim else a_shard
+    front = front.contiguous()
+    shard_2d = front.view(-1, front.shape[-1])
+    front_shape = (world_size * front.shape[0], *front.shape[1:])
+    return GatherLayout(shard_2d, dim, False, world_size, front_shape)
+
+
+@dataclass(frozen=True)
+class ScatterLayout:
+    """Shape legend: a [..., S at scatter_dim, ..., K]; a_2d [R * m, K] (n mode: [M, K], b's
+    columns are scattered instead); each rank's chunk of a @ b is [m, N] (n mode: [M, N / R])."""
+
+    a_2d: torch.Tensor
+    dim: int
+    n_mode: bool
+    world_size: int
+    out_front_shape: tuple[int, ...]  # the output's N-D shape, scatter dim first, minus N
+
+    def chunk_shape(self, n: int) -> tuple[int, int]:
+        if self.n_mode:
+            return (self.a_2d.shape[0], n // self.world_size)
+        return (self.a_2d.shape[0] // self.world_size, n)
+
+    def a_chunk(self, rank: int) -> torch.Tensor:
+        m = self.a_2d.shape[0] // self.world_size
+        return self.a_2d[rank * m : (rank + 1) * m]
+
+    def restore(self, out_2d: torch.Tensor) -> torch.Tensor:
+        out = out_2d.view(*self.out_front_shape, out_2d.shape[1])
+        return out.movedim(0, self.dim) if (self.dim and not self.n_mode) else out
+
+
+def scatter_layout(a: torch.Tensor, dim: int, world_size: int) -> ScatterLayout:
+    if dim == a.ndim - 1:
+        a_2d = a.reshape(-1, a.shape[-1]).contiguous()
+        return ScatterLayout(a_2d, dim, True, world_size, tuple(a.shape[:-1]))
+    front = a.movedim(dim, 0) if dim else a
+    front = front.contiguous()
+    a_2d = front.view(-1, front.shape[-1])
+    out_front = (front.shape[0] // world_size, *front.shape[1:-1])
+    return ScatterLayout(a_2d, dim, False, world_size, out_front)

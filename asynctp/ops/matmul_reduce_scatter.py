@@ -1,0 +1,92 @@
+"""matmul_reduce_scatter: multiply, then reduce-scatter the product, with each rank's partial
+chunk sent while the next one is computed (row-parallel linear with sequence parallelism)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asynctp.ops.layout import ScatterLayout, scatter_layout
+from asynctp.ops.pipeline import produce_and_reduce_scatter
+from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
+from asynctp.ops.strategy import choose
+from asynctp.ops.validate import check_matmul_reduce_scatter
+from asynctp.symm import Workspace, group_name_of, resolve_group
+
+__all__ = ["matmul_reduce_scatter"]
+
+
+def matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scatter_dim: int,
+    group: Any,
+    *,
+    reduce_op: str = "sum",
+    bias: torch.Tensor | None = None,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """Multiply, reduce over ranks, keep this rank's chunk along `scatter_dim`.
+
+    Equivalent to the following plain PyTorch code::
+
+        partial = a @ b                                   # [..., S, ..., N]
+        out = reduce_scatter(partial, scatter_dim, reduce_op, group)
+        return out + bias (this rank's slice of it when scatter_dim is the last dim)
+
+    Shapes: a [..., S, ..., K] (any dim may be the scatter dim, the last one too: then b's
+    columns are scattered); b [K, N]; bias [N], added once after the reduction. The scattered
+    size must be divisible by the world size R. The reduction accumulates in fp32 and rounds
+    once. The result never aliases a shared buffer.
+
+    strategy: "auto" (measured per shape), "serial" (matmul then collective), "pipeline"
+    (each rank's partial pushed over the symmetric workspace while the next is computed).
+    """
+    group_name = group_name_of(group)
+    world_size = resolve_group(group_name).size()
+    check_matmul_reduce_scatter(a, b, scatter_dim, world_size, reduce_op, bias, strategy)
+    return torch.ops.asynctp.matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op, bias, strategy)
+
+
+@torch.library.custom_op(
+    "asynctp::matmul_reduce_scatter",
+    mutates_args=(),
+    schema="(Tensor a, Tensor b, int scatter_dim, str group_name, str reduce_op, Tensor? bias, "
+    "str strategy) -> Tensor",
+)
+def _matmul_reduce_scatter_op(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
+    group = resolve_group(group_name)
+    dim = check_matmul_reduce_scatter(a, b, scatter_dim, group.size(), reduce_op, bias, strategy)
+    lay = scatter_layout(a, dim, group.size())
+    shape_key = (str(a.dtype).removeprefix("torch."), lay.a_2d.shape[0], b.shape[1], b.shape[0])
+    chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
+    if chosen == "serial":
+        return matmul_reduce_scatter_serial(lay, b, reduce_op, bias, group)
+    with ws.running("matmul_reduce_scatter"):
+        return _pipelined(ws, lay, b, reduce_op, bias)
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
+    world_size = resolve_group(group_name).size()
+    dim = check_matmul_reduce_scatter(a, b, scatter_dim, world_size, reduce_op, bias, strategy)
+    lay = scatter_layout(a, dim, world_size)
+    return lay.restore(a.new_empty(lay.chunk_shape(b.shape[1])))
+
+
+def _pipelined(
+    ws: Workspace, lay: ScatterLayout, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    n = b.shape[1] // ws.world_size
+
+    def produce(dst: int, out: torch.Tensor) -> None:
+        if lay.n_mode:
+            torch.mm(lay.a_2d, b[:, dst * n : (dst + 1) * n], out=out)
+        else:
+            torch.mm(lay.a_chunk(dst), b, out=out)
+
+    out = produce_and_reduce_scatter(ws, produce, lay.chunk_shape(b.shape[1]), lay.a_2d.dtype, reduce_op)
+    if bias is not None:
+        out.add_(bias_chunk(lay, bias, ws.rank))
+    return lay.restore(out)

@@ -1,0 +1,68 @@
+"""The tuning cache behind strategy="auto": measured best strategy per (op, device, world size,
+dtype, shape), kept as JSON under the user's cache dir ($ASYNCTP_TUNING_CACHE overrides the path).
+
+`asynctp bench --tune` fills it. A shape not in the cache gets a size rule: below a few tens of
+microseconds of matmul per rank, the fixed costs of a pipeline (barriers, extra launches) exceed
+what overlap can hide, so serial wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["cache_path", "pick", "record", "load"]
+
+_CACHE_ENV = "ASYNCTP_TUNING_CACHE"
+# Total matmul FLOPs under which a pipeline cannot pay on one GPU per rank (measured on 2xH200:
+# see benchmarks/results/README.md). Override by tuning.
+_MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
+_table: dict[str, str] | None = None
+
+
+def cache_path() -> Path:
+    env = os.environ.get(_CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "asynctp" / "tuning.json"
+
+
+def load() -> dict[str, str]:
+    global _table
+    if _table is None:
+        try:
+            _table = json.loads(cache_path().read_text())
+        except (OSError, ValueError):
+            _table = {}
+    return _table
+
+
+def _key(op: str, world_size: int, device: torch.device, shape_key: tuple) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return "|".join([op, name, f"R{world_size}", *map(str, shape_key)])
+
+
+def record(op: str, world_size: int, device: torch.device, shape_key: tuple, strategy: str) -> None:
+    """Remember the measured best strategy for a shape (written through to the cache file)."""
+    table = load()
+    table[_key(op, world_size, device, shape_key)] = strategy
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def pick(op: str, ws, device: torch.device, shape_key: tuple) -> str:
+    """shape_key = (dtype, M, N, K) of the full (gathered / unscattered) matmul."""
+    if device.type != "cuda":
+        return "pipeline"  # the cpu backend exists to run the pipeline; CI exercises it via auto
+    cached = load().get(_key(op, ws.world_size, device, shape_key))
+    if cached is not None:
+        return cached
+    _, m, n, k = shape_key
+    return "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"

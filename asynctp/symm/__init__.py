@@ -1,0 +1,124 @@
+"""Where the bytes live: one symmetric Workspace per (process group, device type), cached.
+
+`get_workspace(group, device)` returns the group's workspace, creating it collectively on first
+use, or None when no backend can serve the group (ranks on several hosts, no peer access, or
+ASYNCTP_DISABLE_SYMM=1); then ops run their serial reference and warn once why. Every rank
+reaches the same answer: the checks that decide it are exchanged over the group.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asynctp.config import warn_once
+from asynctp.symm.errors import PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.workspace import Lanes, Workspace, group_name_of, resolve_group
+
+__all__ = [
+    "Workspace",
+    "Lanes",
+    "PeerTimeoutError",
+    "WorkspaceUnavailable",
+    "get_workspace",
+    "unavailable_reason",
+    "reserve",
+    "resolve_group",
+    "group_name_of",
+]
+
+_DISABLE_ENV = "ASYNCTP_DISABLE_SYMM"
+_workspaces: dict[tuple[str, str], Workspace | None] = {}
+_reasons: dict[tuple[str, str], str] = {}
+
+
+def _local_reason(group: dist.ProcessGroup, device_type: str) -> str | None:
+    """Why this rank cannot join a workspace for the group (None: it can)."""
+    if os.environ.get(_DISABLE_ENV, "0") not in ("", "0"):
+        return f"{_DISABLE_ENV} is set"
+    if device_type == "cuda":
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+        except ImportError as exc:
+            return f"torch.distributed._symmetric_memory is unavailable ({exc})"
+    elif device_type != "cpu":
+        return f"no symmetric-memory backend for device type {device_type!r}"
+    return None
+
+
+def _cuda_peer_reason(group: dist.ProcessGroup) -> str | None:
+    from asynctp.symm.cpu import _host_id
+
+    me = (_host_id(), torch.cuda.current_device())
+    everyone: list[Any] = [None] * group.size()
+    dist.all_gather_object(everyone, me, group=group)
+    if len({host for host, _ in everyone}) > 1:
+        return "its ranks are on more than one host (no peer memory access)"
+    for host, dev in everyone:
+        if dev != me[1] and not torch.cuda.can_device_access_peer(me[1], dev):
+            return f"GPU {me[1]} cannot access GPU {dev} (no P2P)"
+    return None
+
+
+def _agree(group: dist.ProcessGroup, reason: str | None) -> str | None:
+    """Every rank adopts the first rank's reason (if any rank has one)."""
+    reasons: list[Any] = [None] * group.size()
+    dist.all_gather_object(reasons, reason, group=group)
+    for rank, r in enumerate(reasons):
+        if r is not None:
+            return f"rank {rank}: {r}"
+    return None
+
+
+def _create(group: dist.ProcessGroup, device_type: str) -> Workspace:
+    reason = _agree(group, _local_reason(group, device_type))
+    if reason is None and device_type == "cuda":
+        reason = _agree(group, _cuda_peer_reason(group))
+    if reason is not None:
+        raise WorkspaceUnavailable(reason)
+    if device_type == "cuda":
+        from asynctp.symm.cuda import CudaWorkspace
+
+        return CudaWorkspace(group)
+    from asynctp.symm.cpu import CpuWorkspace
+
+    return CpuWorkspace(group)
+
+
+def get_workspace(group: Any, device: torch.device | str) -> Workspace | None:
+    """The group's workspace for tensors on `device`, or None (after one warning) if unavailable."""
+    pg = resolve_group(group)
+    device_type = torch.device(device).type
+    key = (pg.group_name, device_type)
+    if key not in _workspaces:
+        try:
+            _workspaces[key] = _create(pg, device_type)
+        except WorkspaceUnavailable as exc:
+            _workspaces[key] = None
+            _reasons[key] = str(exc)
+    ws = _workspaces[key]
+    if ws is None:
+        warn_once(
+            f"no-workspace:{key}",
+            f"asynctp: process group {pg.group_name!r} has no symmetric workspace on {device_type} "
+            f"({_reasons[key]}); the fused ops run their serial reference (collective, then matmul) "
+            f"with no overlap",
+        )
+    return ws
+
+
+def unavailable_reason(group: Any, device: torch.device | str) -> str | None:
+    """Why the group has no workspace (None if it has one or was never asked for)."""
+    return _reasons.get((resolve_group(group).group_name, torch.device(device).type))
+
+
+def reserve(group: Any, nbytes: int, device: torch.device | str | None = None) -> None:
+    """Size the group's workspace up front (collective). Needed before CUDA-graph capture."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ws = get_workspace(group, device)
+    if ws is not None:
+        ws.reserve(nbytes)

@@ -1,0 +1,198 @@
+"""The Workspace protocol: symmetric buffers and signals of one process group, and its cache.
+
+Workspace contract (every op that touches a workspace keeps it; the pipelines rely on it):
+
+- Each rank owns one byte buffer of the same size; `get_buffer(peer, ...)` views any rank's.
+  Offsets are in bytes. Buffers grow on demand (`ensure`), collectively: every rank calls the
+  same op with the same shapes, so they grow at the same call. Growth during CUDA-graph capture
+  is an error: call `reserve(nbytes)` before capturing.
+- Between two ops no rank has a remote access to any workspace pending. An op opens its remote
+  accesses after a barrier that every rank entered after finishing its previous op, and closes
+  them with a barrier before it returns. Local writes at an op's start are therefore safe.
+- Two ops must not run concurrently on one workspace (different streams, threads): they would
+  share the bytes. Use one process group per concurrent stream of work.
+- Results never alias the buffer: ops copy or compute out of it into fresh tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from asynctp.config import get_timeout
+
+__all__ = ["Workspace", "Lanes", "resolve_group", "group_name_of"]
+
+NUM_CHANNELS = 4
+
+
+def resolve_group(group: Any) -> dist.ProcessGroup:
+    """A ProcessGroup from a ProcessGroup or its name; TypeError for anything else."""
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, str):
+        try:
+            return c10d._resolve_process_group(group)
+        except Exception as exc:  # torch raises several types for unknown names
+            raise ValueError(f"group requires a known process group name, got {group!r}") from exc
+    raise TypeError(
+        f"group requires a torch.distributed.ProcessGroup or its name (str), got {type(group).__name__}"
+    )
+
+
+def group_name_of(group: Any) -> str:
+    """The name under which custom ops carry a group."""
+    return resolve_group(group).group_name
+
+
+class Lanes:
+    """The streams of one pipelined call: the caller's, a second compute stream, a copy stream.
+
+    On CPU every method is a no-op and work runs in program order, so the same pipeline code
+    serves both backends.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            with torch.cuda.device(device):
+                # High priority: otherwise CUDA may start the next matmul before the copy the
+                # matmul after it needs, and the pipeline stalls on that copy.
+                self.copy_stream = torch.cuda.Stream(priority=-1)
+                self.side_stream = torch.cuda.Stream()
+
+    def fork(self) -> None:
+        """Side streams start after everything queued so far on the caller's stream."""
+        if self.is_cuda:
+            cur = torch.cuda.current_stream()
+            self.copy_stream.wait_stream(cur)
+            self.side_stream.wait_stream(cur)
+
+    def join(self) -> None:
+        """The caller's stream continues after all side work."""
+        if self.is_cuda:
+            cur = torch.cuda.current_stream()
+            cur.wait_stream(self.copy_stream)
+            cur.wait_stream(self.side_stream)
+
+    @contextlib.contextmanager
+    def copy(self) -> Iterator[None]:
+        if self.is_cuda:
+            with torch.cuda.stream(self.copy_stream):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def compute(self, step: int) -> Iterator[None]:
+        """Even steps on the caller's stream, odd ones on the side stream."""
+        if self.is_cuda and step % 2 == 1:
+            with torch.cuda.stream(self.side_stream):
+                yield
+        else:
+            yield
+
+    def mark(self) -> Any:
+        """An event on the current stream (None on CPU)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def wait(self, event: Any) -> None:
+        """The current stream waits for `event`."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+class Workspace(abc.ABC):
+    """Symmetric buffers and signal pads shared by the ranks of one process group."""
+
+    backend: str = "abstract"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.group_name = group.group_name
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.device = device
+        self.lanes = Lanes(device)
+        self.op = "workspace"  # the op in progress, named in timeout errors
+        self.nbytes = 0
+
+    # -- buffers ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _grow(self, nbytes: int) -> None:
+        """Collectively replace every rank's buffer by one of `nbytes` bytes."""
+
+    @abc.abstractmethod
+    def _raw(self, rank: int) -> torch.Tensor:
+        """Rank `rank`'s whole buffer as a flat uint8 tensor addressable from here."""
+
+    def ensure(self, nbytes: int) -> None:
+        """Grow (collectively) so that every buffer holds at least `nbytes` bytes."""
+        if nbytes <= self.nbytes:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"asynctp {self.op}: the workspace of group {self.group_name!r} needs {nbytes} "
+                f"bytes but holds {self.nbytes}, and it cannot grow during CUDA-graph capture; "
+                f"call asynctp.reserve(group, {nbytes}) before capturing"
+            )
+        # Round up so a run of slowly growing shapes does not rendezvous at every call.
+        self._grow(max(nbytes, 2 * self.nbytes, 1 << 20))
+
+    def reserve(self, nbytes: int) -> None:
+        """Size the buffers up front (needed before CUDA-graph capture). Collective."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"reserve requires a non-negative int of bytes, got {nbytes!r}")
+        self.ensure(nbytes)
+
+    def get_buffer(
+        self, rank: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, offset: int = 0
+    ) -> torch.Tensor:
+        """A view of `rank`'s buffer: `shape` elements of `dtype` starting `offset` bytes in."""
+        itemsize = dtype.itemsize
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        if offset % itemsize:
+            raise ValueError(f"get_buffer requires an offset aligned to {itemsize} bytes, got {offset}")
+        end = offset + numel * itemsize
+        if end > self.nbytes:
+            raise ValueError(
+                f"get_buffer requires {end} bytes, the workspace holds {self.nbytes}; call ensure() first"
+            )
+        return self._raw(rank)[offset:end].view(dtype).view(tuple(shape))
+
+    # -- synchronization ------------------------------------------------------------------
+    @abc.abstractmethod
+    def barrier(self, channel: int = 0, timeout: float | None = None) -> None:
+        """All ranks reach this point (stream-ordered on CUDA, blocking on CPU)."""
+
+    @abc.abstractmethod
+    def put_signal(self, dst_rank: int, channel: int = 0) -> None:
+        """Tell `dst_rank` that what this rank wrote before this call is visible."""
+
+    @abc.abstractmethod
+    def wait_signal(self, src_rank: int, channel: int = 0, timeout: float | None = None) -> None:
+        """Wait for one put_signal from `src_rank` on `channel`."""
+
+    def _timeout(self, timeout: float | None) -> float:
+        return get_timeout() if timeout is None else timeout
+
+    @contextlib.contextmanager
+    def running(self, op: str) -> Iterator[Workspace]:
+        """Name the op in progress, so that a timeout says which op waited."""
+        previous, self.op = self.op, op
+        try:
+            yield self
+        finally:
+            self.op = previous

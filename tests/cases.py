@@ -1,0 +1,216 @@
+"""Rank-side test bodies shared by tests/dist (gloo, cpu backend) and tests/gpu (nccl, cuda backend).
+
+Inputs are small integers, so every product and sum is exact in float32 and bfloat16, and
+results are compared with the plain-PyTorch reference with atol=0. Every rank builds every
+rank's inputs from seeds, so the reference needs no collective at all.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+import asynctp
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ints(shape, seed: int, dtype: torch.dtype, device: str, low: int = -2, high: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, tuple(shape), generator=g).to(dtype).to(device)
+
+
+def world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard_shape(ndim: int, gather_dim: int, world_size: int, k: int) -> list[int]:
+    """A shard shape whose sizes differ per dim, so a wrong dim shows up as a shape error."""
+    shape = [3, 2, 5][: ndim - 1] + [k]
+    if gather_dim % ndim == ndim - 1:
+        shape[-1] = k // world_size
+    return shape
+
+
+def ag_reference(shards, bs, biases, gather_dim, return_a):
+    a_full = torch.cat(shards, dim=gather_dim)
+    outs = [a_full.double() @ b.double() for b in bs]
+    outs = [(o + bias.double() if bias is not None else o).to(a_full.dtype) for o, bias in zip(outs, biases)]
+    return (a_full if return_a else None), outs
+
+
+def check_ag_case(device, dtype, ndim, gather_dim, num_bs, with_bias, return_a, strategy, seed):
+    rank, ws = world()
+    k = 4 * ws
+    shape = shard_shape(ndim, gather_dim, ws, k)
+    shards = [ints(shape, seed * 100 + r, dtype, device) for r in range(ws)]
+    bs = [ints((k, 6 + 2 * i), seed * 100 + 50 + i, dtype, device) for i in range(num_bs)]
+    biases = [ints((b.shape[1],), seed * 100 + 80 + i, dtype, device) if with_bias else None for i, b in enumerate(bs)]
+    a_g, outs = asynctp.all_gather_matmul(
+        shards[rank], bs, gather_dim, dist.group.WORLD, return_a=return_a,
+        biases=biases if with_bias else None, strategy=strategy,
+    )
+    ref_a, ref_outs = ag_reference(shards, bs, biases, gather_dim, return_a)
+    label = f"ag ndim={ndim} dim={gather_dim} bs={num_bs} bias={with_bias} return_a={return_a} {strategy} {dtype}"
+    if return_a:
+        assert a_g is not None and torch.equal(a_g, ref_a), label
+    else:
+        assert a_g is None, label
+    assert len(outs) == num_bs, label
+    for o, r in zip(outs, ref_outs):
+        assert o.shape == r.shape and o.dtype == r.dtype, f"{label}: {o.shape} {o.dtype} vs {r.shape} {r.dtype}"
+        assert torch.equal(o, r), f"{label}: max diff {(o.double() - r.double()).abs().max()}"
+
+
+def rs_reference(parts_a, parts_b, scatter_dim, reduce_op, bias, rank, ws):
+    total = sum(a.double() @ b.double() for a, b in zip(parts_a, parts_b))
+    if reduce_op == "avg":
+        total = total / ws
+    chunk = total.chunk(ws, dim=scatter_dim)[rank]
+    if bias is not None:
+        bias_part = bias.double().chunk(ws)[rank] if scatter_dim % total.ndim == total.ndim - 1 else bias.double()
+        chunk = chunk + bias_part
+    return chunk.to(parts_a[0].dtype)
+
+
+def check_rs_case(device, dtype, ndim, scatter_dim, with_bias, reduce_op, strategy, seed):
+    rank, ws = world()
+    k, n = 8, 4 * ws
+    shape = [2 * ws, 3, 5][: ndim - 1] + [k]
+    if scatter_dim % ndim != ndim - 1:
+        shape[scatter_dim % ndim] = ws * (scatter_dim % ndim + 1)
+    # avg: multiples of R keep the mean an integer, so it is exact
+    scale = ws if reduce_op == "avg" else 1
+    parts_a = [ints(shape, seed * 100 + r, dtype, device) * scale for r in range(ws)]
+    parts_b = [ints((k, n), seed * 100 + 40 + r, dtype, device) for r in range(ws)]
+    bias = ints((n,), seed * 100 + 90, dtype, device) if with_bias else None
+    out = asynctp.matmul_reduce_scatter(
+        parts_a[rank], parts_b[rank], scatter_dim, dist.group.WORLD,
+        reduce_op=reduce_op, bias=bias, strategy=strategy,
+    )
+    ref = rs_reference(parts_a, parts_b, scatter_dim, reduce_op, bias, rank, ws)
+    label = f"rs ndim={ndim} dim={scatter_dim} bias={with_bias} {reduce_op} {strategy} {dtype}"
+    assert out.shape == ref.shape and out.dtype == ref.dtype, f"{label}: {out.shape} vs {ref.shape}"
+    assert torch.equal(out, ref), f"{label}: max diff {(out.double() - ref.double()).abs().max()}"
+
+
+def all_gather_matmul_grid(device: str, dtype_name: str, strategy: str) -> int:
+    dtype = DTYPES[dtype_name]
+    count = 0
+    for ndim in (2, 3):
+        for gather_dim in list(range(ndim)) + [-1]:
+            for num_bs, with_bias, return_a in ((1, False, True), (2, True, True), (2, False, False), (1, True, False)):
+                check_ag_case(device, dtype, ndim, gather_dim, num_bs, with_bias, return_a, strategy, seed=count)
+                count += 1
+    return count
+
+
+def matmul_reduce_scatter_grid(device: str, dtype_name: str, strategy: str) -> int:
+    dtype = DTYPES[dtype_name]
+    count = 0
+    for ndim in (2, 3):
+        for scatter_dim in list(range(ndim)) + [-1]:
+            for with_bias, reduce_op in ((False, "sum"), (True, "sum"), (False, "avg"), (True, "avg")):
+                check_rs_case(device, dtype, ndim, scatter_dim, with_bias, reduce_op, strategy, seed=count)
+                count += 1
+    return count
+
+
+def outputs_do_not_alias(device: str) -> None:
+    """A second call (same shapes, other values) must leave the first call's results unchanged."""
+    rank, ws = world()
+    dtype = torch.float32
+    results = []
+    for seed in (1, 2):
+        shard = ints((4, 8), seed * 10 + rank, dtype, device)
+        b = ints((8, 6), seed * 10 + 7, dtype, device)
+        a_g, (o,) = asynctp.all_gather_matmul(shard, [b], 0, dist.group.WORLD, strategy="pipeline")
+        r = asynctp.matmul_reduce_scatter(o, ints((6, 4), seed, dtype, device), 0, dist.group.WORLD, strategy="pipeline")
+        results.append((a_g, o, r, a_g.clone(), o.clone(), r.clone()))
+    for a_g, o, r, a_c, o_c, r_c in results:
+        assert torch.equal(a_g, a_c) and torch.equal(o, o_c) and torch.equal(r, r_c)
+    ws_obj = asynctp.get_workspace(dist.group.WORLD, device)
+    for t in (x for res in results for x in res[:3]):
+        for peer in range(ws):
+            raw = ws_obj._raw(peer)
+            start, end = raw.data_ptr(), raw.data_ptr() + raw.numel()
+            assert not (start <= t.data_ptr() < end), "an output points into the workspace"
+
+
+def bad_inputs(device: str) -> list[str]:
+    """Each bad call raises the documented error on every rank, with no communication; the
+    group works afterwards. Returns the messages (the test checks they match across ranks)."""
+    import pytest
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    a = ints((6, 8), rank, torch.float32, device)
+    b = ints((8, 6), 7, torch.float32, device)
+    cases = [
+        (TypeError, "a_shard requires a torch.Tensor", lambda: asynctp.all_gather_matmul([1.0], [b], 0, g)),
+        (TypeError, "dtype torch.float32", lambda: asynctp.all_gather_matmul(a, [b.bfloat16()], 0, g)),
+        (ValueError, "shape[0] == K = 8", lambda: asynctp.all_gather_matmul(a, [b[:5]], 0, g)),
+        (ValueError, "gather_dim requires a dim in [-2, 1]", lambda: asynctp.all_gather_matmul(a, [b], 2, g)),
+        (ValueError, "at least one (K, N) matrix", lambda: asynctp.all_gather_matmul(a, [], 0, g)),
+        (TypeError, "list of (K, N) tensors", lambda: asynctp.all_gather_matmul(a, b, 0, g)),
+        (TypeError, "ProcessGroup or its name", lambda: asynctp.all_gather_matmul(a, [b], 0, 3)),
+        (ValueError, "strategy requires one of", lambda: asynctp.all_gather_matmul(a, [b], 0, g, strategy="fast")),
+        (ValueError, "biases[0] requires shape (6,)", lambda: asynctp.all_gather_matmul(a, [b], 0, g, biases=[b[0, :5]])),
+        (TypeError, "floating dtype", lambda: asynctp.all_gather_matmul(a.long(), [b.long()], 0, g)),
+        (ValueError, "at least 2 dims", lambda: asynctp.all_gather_matmul(a[0], [b], 0, g)),
+        (TypeError, "dtype torch.float32", lambda: asynctp.matmul_reduce_scatter(a, b.double(), 0, g)),
+        (ValueError, "shape[0] == K = 8", lambda: asynctp.matmul_reduce_scatter(a, b.t(), 0, g)),
+        (ValueError, "scatter_dim requires a dim", lambda: asynctp.matmul_reduce_scatter(a, b, -3, g)),
+        (ValueError, f"divisible by the world size {ws}", lambda: asynctp.matmul_reduce_scatter(a[: ws + 1], b, 0, g)),
+        (ValueError, "reduce_op requires one of", lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, reduce_op="max")),
+        (TypeError, "ProcessGroup or its name", lambda: asynctp.matmul_reduce_scatter(a, b, 0, None)),
+        (ValueError, "requires shape (6,)", lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, bias=b[0, :3])),
+    ]
+    if device == "cuda":
+        cases.append((ValueError, "requires device", lambda: asynctp.all_gather_matmul(a, [b.cpu()], 0, g)))
+    if ws == 3:  # divisibility along N (scatter on the last dim): N=6 divides by 2 and 3; use 4
+        cases.append((ValueError, "divisible by the world size 3", lambda: asynctp.matmul_reduce_scatter(a, b[:, :4], -1, g)))
+    messages = []
+    for exc_type, text, call in cases:
+        with pytest.raises(exc_type) as info:
+            call()
+        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
+        messages.append(str(info.value))
+    # the group still works, for both ops
+    a_g, (o,) = asynctp.all_gather_matmul(a, [b], 0, g)
+    shards = [ints((6, 8), r, torch.float32, device) for r in range(ws)]
+    assert torch.equal(a_g, torch.cat(shards))
+    r = asynctp.matmul_reduce_scatter(o, ints((6, 4), 0, torch.float32, device), 0, g)
+    assert r.shape == (6, 4)
+    return messages
+
+
+def random_calls(device: str, num_calls: int, seed: int) -> int:
+    """num_calls calls in a row, random op / shape / dims / dtype (same draws on every rank)."""
+    rng = random.Random(seed)
+    for i in range(num_calls):
+        dtype = rng.choice(list(DTYPES.values()))
+        ndim = rng.choice((2, 3))
+        strategy = rng.choice(("auto", "pipeline", "serial"))
+        if rng.random() < 0.5:
+            dim = rng.randrange(-1, ndim)
+            check_ag_case(device, dtype, ndim, dim, rng.choice((1, 2)), rng.random() < 0.5, rng.random() < 0.5, strategy, seed=1000 + i)
+        else:
+            dim = rng.randrange(-1, ndim)
+            check_rs_case(device, dtype, ndim, dim, rng.random() < 0.5, rng.choice(("sum", "avg")), strategy, seed=1000 + i)
+    return num_calls
+
+
+def opcheck_ops(device: str) -> None:
+    rank, ws = world()
+    g = dist.group.WORLD.group_name
+    a = ints((4, 8), rank, torch.float32, device)
+    b = ints((8, 6), 7, torch.float32, device)
+    torch.library.opcheck(torch.ops.asynctp.all_gather_matmul.default, (a, [b], 0, g, True, [None], "pipeline"))
+    b_k = ints((4 * ws, 6), 8, torch.float32, device)  # gather along K: K = R * 4
+    torch.library.opcheck(torch.ops.asynctp.all_gather_matmul.default, (a[:, :4], [b_k], 1, g, False, [None], "pipeline"))
+    a3 = ints((2 * ws, 3, 8), rank, torch.float32, device)
+    for scatter_dim in (0, 2) + ((1,) if ws == 3 else ()):
+        torch.library.opcheck(torch.ops.asynctp.matmul_reduce_scatter.default, (a3, b, scatter_dim, g, "sum", None, "pipeline"))
