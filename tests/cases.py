@@ -214,3 +214,65 @@ def opcheck_ops(device: str) -> None:
     a3 = ints((2 * ws, 3, 8), rank, torch.float32, device)
     for scatter_dim in (0, 2) + ((1,) if ws == 3 else ()):
         torch.library.opcheck(torch.ops.asynctp.matmul_reduce_scatter.default, (a3, b, scatter_dim, g, "sum", None, "pipeline"))
+
+
+def large_pipeline_matches_serial() -> None:
+    """Random bf16 data at a size where chunks are many GEMM tiles: the pipelined strategy equals
+    the serial one up to GEMM rounding (different M per call may pick other cuBLAS kernels)."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    torch.manual_seed(1234 + rank)
+    for gather_dim, shape in ((0, (1024, 1024)), (1, (2, 512, 1024))):
+        a = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        torch.manual_seed(99)
+        b = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16) / 32
+        a_p, (o_p,) = asynctp.all_gather_matmul(a, [b], gather_dim, g, strategy="pipeline")
+        a_s, (o_s,) = asynctp.all_gather_matmul(a, [b], gather_dim, g, strategy="serial")
+        assert torch.equal(a_p, a_s)
+        torch.testing.assert_close(o_p, o_s, rtol=2e-2, atol=2e-2)
+        r_p = asynctp.matmul_reduce_scatter(o_p, b.t().contiguous(), gather_dim, g, strategy="pipeline")
+        r_s = asynctp.matmul_reduce_scatter(o_p, b.t().contiguous(), gather_dim, g, strategy="serial")
+        torch.testing.assert_close(r_p, r_s, rtol=2e-2, atol=5e-2)
+
+
+def cuda_graph_capture() -> None:
+    """Both ops captured in one CUDA graph after reserve(); replays with new inputs are right, and
+    a capture that would need a larger workspace fails with a clear error."""
+    import pytest
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    dtype = torch.bfloat16
+    asynctp.reserve(g, 16 << 20, "cuda")
+    a_static = ints((64, 128), rank, dtype, "cuda", low=-1, high=2)  # |a @ b| <= 256: exact in bf16
+    b = ints((128, 96), 5, dtype, "cuda")
+    b2 = ints((96, 64), 6, dtype, "cuda")
+
+    def step():
+        a_g, (o,) = asynctp.all_gather_matmul(a_static, [b], 0, g, strategy="pipeline")
+        return a_g, o, asynctp.matmul_reduce_scatter(o, b2, 0, g, strategy="pipeline")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a_g, o, r = step()
+    for trial in range(3):
+        shards = [ints((64, 128), 100 * trial + p, dtype, "cuda", low=-1, high=2) for p in range(ws)]
+        a_static.copy_(shards[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        full = torch.cat(shards)
+        assert torch.equal(a_g, full)
+        assert torch.equal(o, (full.double() @ b.double()).to(dtype))
+        # every rank holds the same o, so the reduction is R * (o @ b2), rounded per partial
+        ref = asynctp.matmul_reduce_scatter(o, b2, 0, g, strategy="serial")
+        torch.testing.assert_close(r, ref, rtol=1e-2, atol=0)
+    big = ints((8192, 2048), rank, dtype, "cuda")
+    with pytest.raises(RuntimeError, match="reserve"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            asynctp.all_gather_matmul(big, [ints((2048, 8), 1, dtype, "cuda")], 0, g, strategy="pipeline")
+    torch.cuda.synchronize()

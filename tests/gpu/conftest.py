@@ -1,0 +1,31 @@
+"""tests/gpu: >= 2 CUDA GPUs, one rank per GPU over NCCL, the cuda symmetric backend.
+Skipped where there are fewer GPUs (CI has none); run them on the GPU machine with `pytest tests/gpu`."""
+
+import os
+
+import pytest
+import torch
+
+from tests.multiprocess import RankPool
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+# never use NVLink multicast (it can take a shared host's GPUs down)
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if NUM_GPUS >= 2:
+        return
+    skip = pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {NUM_GPUS}")
+    for item in items:
+        if "tests/gpu" in str(item.fspath):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(NUM_GPUS, backend="nccl", call_timeout=600)
+    yield p
+    p.close()

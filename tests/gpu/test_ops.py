@@ -1,0 +1,45 @@
+"""The fused ops on the cuda backend (all local GPUs): the CPU tier's checks, plus CUDA graphs
+and random-valued inputs against the serial strategy."""
+
+import pytest
+
+from tests import cases
+
+DEVICE = "cuda"
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_all_gather_matmul(pool, dtype, strategy):
+    assert pool.run(cases.all_gather_matmul_grid, DEVICE, dtype, strategy)[0] == 28
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_reduce_scatter(pool, dtype, strategy):
+    assert pool.run(cases.matmul_reduce_scatter_grid, DEVICE, dtype, strategy)[0] == 28
+
+
+def test_outputs_do_not_alias_workspace(pool):
+    pool.run(cases.outputs_do_not_alias, DEVICE)
+
+
+def test_bad_inputs_raise_before_communication(pool):
+    messages = pool.run(cases.bad_inputs, DEVICE)
+    assert all(m == messages[0] for m in messages)
+
+
+def test_opcheck(pool):
+    pool.run(cases.opcheck_ops, DEVICE)
+
+
+def test_200_random_calls(pool):
+    assert pool.run(cases.random_calls, DEVICE, 200, 7)[0] == 200
+
+
+def test_large_random_values_match_serial(pool):
+    pool.run(cases.large_pipeline_matches_serial)
+
+
+def test_cuda_graph_capture_after_reserve(pool):
+    pool.run(cases.cuda_graph_capture)

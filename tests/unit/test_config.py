@@ -1,0 +1,82 @@
+"""tests/unit: no process group. Settings, argument checks, layouts, the tuning cache."""
+
+import pytest
+import torch
+
+import asynctp
+from asynctp import config
+from asynctp.ops import tuning
+from asynctp.ops.layout import gather_layout, scatter_layout
+from asynctp.ops.validate import check_all_gather_matmul, check_matmul_reduce_scatter
+
+
+def test_timeout_env_and_override(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_TIMEOUT", "12.5")
+    assert config.get_timeout() == 12.5
+    asynctp.set_timeout(3)
+    try:
+        assert config.get_timeout() == 3.0
+    finally:
+        asynctp.set_timeout(None)
+    monkeypatch.setenv("ASYNCTP_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="ASYNCTP_TIMEOUT requires a number of seconds, got 'soon'"):
+        config.get_timeout()
+    with pytest.raises(ValueError, match="positive"):
+        asynctp.set_timeout(0)
+
+
+def test_warn_once():
+    with pytest.warns(RuntimeWarning, match="fell back"):
+        config.warn_once("unit-test-key", "fell back because of a unit test")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.warn_once("unit-test-key", "fell back because of a unit test")  # silent the second time
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 2, 8), 0), ((3, 2, 8), 1), ((3, 2, 8), 2), ((6, 8), 0), ((6, 8), 1)])
+def test_gather_layout_round_trip(shape, dim):
+    """Stacking R shards' rows and restoring gives torch.cat along the gather dim."""
+    world = 3
+    shards = [torch.randn(shape) for _ in range(world)]
+    lays = [gather_layout(s, dim, world) for s in shards]
+    rows = torch.cat([lay.shard_2d for lay in lays])
+    assert torch.equal(lays[0].a_gathered(rows), torch.cat(shards, dim=dim))
+
+
+@pytest.mark.parametrize("shape,dim", [((6, 2, 8), 0), ((3, 6, 8), 1), ((3, 2, 8), 2), ((6, 8), 0), ((6, 8), 1)])
+def test_scatter_layout_chunks(shape, dim):
+    """Chunk r of the 2-D product, restored, is chunk r of the N-D product along scatter_dim."""
+    world = 2
+    a, b = torch.randn(shape), torch.randn(shape[-1], 6)
+    lay = scatter_layout(a, dim, world)
+    full = a @ b
+    for r in range(world):
+        chunk = lay.a_2d @ b[:, r * 3 : (r + 1) * 3] if lay.n_mode else lay.a_chunk(r) @ b
+        torch.testing.assert_close(lay.restore(chunk), full.chunk(world, dim=dim)[r])
+
+
+def test_checks_name_the_argument():
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    assert check_all_gather_matmul(a, [b], -2, 2, None, "auto")[0] == 0
+    with pytest.raises(ValueError, match=r"bs\[0\] requires shape\[0\] == K = 16"):
+        check_all_gather_matmul(a, [b], 1, 2, None, "auto")
+    with pytest.raises(ValueError, match="scatter_dim 1 requires a size divisible by the world size 4, got 6"):
+        check_matmul_reduce_scatter(a, b, 1, 4, "sum", None, "auto")
+    with pytest.raises(TypeError, match="gather_dim requires an int, got float"):
+        check_all_gather_matmul(a, [b], 0.0, 2, None, "auto")
+
+
+def test_tuning_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCTP_TUNING_CACHE", str(tmp_path / "t.json"))
+    monkeypatch.setattr(tuning, "_table", None)
+    key = ("bfloat16", 4096, 3584, 8192)
+    tuning.record("all_gather_matmul", 2, torch.device("cpu"), key, "serial")
+    monkeypatch.setattr(tuning, "_table", None)  # re-read from disk
+    assert tuning.load()[tuning._key("all_gather_matmul", 2, torch.device("cpu"), key)] == "serial"
+
+
+def test_public_api():
+    for name in asynctp.__all__:
+        assert hasattr(asynctp, name), name
