@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != module_name:
+            if exc.name is None or not module_name.startswith(exc.name):
                 raise
             modules[name] = None
             continue
