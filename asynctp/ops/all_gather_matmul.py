@@ -11,6 +11,7 @@ from asynctp.ops.layout import GatherLayout, gather_layout
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
 from asynctp.ops.strategy import choose
+from asynctp.ops.tuning import splits_for
 from asynctp.ops.validate import check_all_gather_matmul
 from asynctp.symm import Workspace, group_name_of, resolve_group
 
@@ -70,7 +71,7 @@ def _all_gather_matmul_op(a_shard, bs, gather_dim, group_name, return_a, biases,
     if chosen == "serial":
         return all_gather_matmul_serial(lay, bs, biases, group, return_a)
     with ws.running("all_gather_matmul"):
-        return _pipelined(ws, lay, bs, biases, return_a)
+        return _pipelined(ws, lay, bs, biases, return_a, splits_for("all_gather_matmul", shape_key, ws.world_size))
 
 
 @_all_gather_matmul_op.register_fake
@@ -87,26 +88,27 @@ def _(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
 
 
 def _pipelined(
-    ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool
+    ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     rows = lay.new_rows(lay.shard_2d.shape[1])
     if lay.k_mode:
-        outs = _consume_k_blocks(ws, lay, rows, bs, biases)
+        outs = _consume_k_blocks(ws, lay, rows, bs, biases, splits)
     else:
         out_rows = [lay.new_rows(b.shape[1]) for b in bs]
         m = lay.m
 
-        def consume(src: int, chunks: list[torch.Tensor]) -> None:
+        def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+            start = src * m + lo
             for out, b, bias in zip(out_rows, bs, biases):
-                matmul_bias(chunks[0], b, bias, out=out[src * m : (src + 1) * m])
+                matmul_bias(blocks[0], b, bias, out=out[start : start + blocks[0].shape[0]])
 
-        gather_and_consume(ws, [lay.shard_2d], [rows], consume)
+        gather_and_consume(ws, [lay.shard_2d], [rows], consume, splits=splits)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows) if return_a else None), outs
 
 
 def _consume_k_blocks(
-    ws: Workspace, lay: GatherLayout, rows: torch.Tensor, bs: list[torch.Tensor], biases: list
+    ws: Workspace, lay: GatherLayout, rows: torch.Tensor, bs: list[torch.Tensor], biases: list, splits: int
 ) -> list[torch.Tensor]:
     """Gather along K: rank r's block [M, k] multiplies rows r*k:(r+1)*k of b; products are
     accumulated in fp32 (one rounding at the end, with the bias, as one GEMM would)."""
@@ -114,16 +116,17 @@ def _consume_k_blocks(
     acc_dtype = torch.float64 if lay.shard_2d.dtype == torch.float64 else torch.float32
     accs = [lay.shard_2d.new_zeros((lay.m, b.shape[1]), dtype=acc_dtype) for b in bs]
 
-    def consume(src: int, chunks: list[torch.Tensor]) -> None:
+    def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+        hi = lo + blocks[0].shape[0]
         for acc, b in zip(accs, bs):
             block = b[src * k : (src + 1) * k]
-            if acc.dtype == chunks[0].dtype:
-                acc.addmm_(chunks[0], block)
+            if acc.dtype == blocks[0].dtype:
+                acc[lo:hi].addmm_(blocks[0], block)
             else:
-                acc.add_(torch.mm(chunks[0], block))
+                acc[lo:hi].add_(torch.mm(blocks[0], block))
 
     # one stream: the accumulators are shared by every step
-    gather_and_consume(ws, [lay.shard_2d], [rows], consume, alternate=False)
+    gather_and_consume(ws, [lay.shard_2d], [rows], consume, splits=splits, alternate=False)
     outs = []
     for acc, bias in zip(accs, biases):
         if bias is not None:

@@ -11,6 +11,7 @@ from asynctp.ops.layout import ScatterLayout, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
 from asynctp.ops.strategy import choose
+from asynctp.ops.tuning import splits_for
 from asynctp.ops.validate import check_matmul_reduce_scatter
 from asynctp.symm import Workspace, group_name_of, resolve_group
 
@@ -64,7 +65,7 @@ def _matmul_reduce_scatter_op(a, b, scatter_dim, group_name, reduce_op, bias, st
     if chosen == "serial":
         return matmul_reduce_scatter_serial(lay, b, reduce_op, bias, group)
     with ws.running("matmul_reduce_scatter"):
-        return _pipelined(ws, lay, b, reduce_op, bias)
+        return _pipelined(ws, lay, b, reduce_op, bias, splits_for("matmul_reduce_scatter", shape_key, ws.world_size))
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -76,17 +77,22 @@ def _(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
 
 
 def _pipelined(
-    ws: Workspace, lay: ScatterLayout, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None
+    ws: Workspace, lay: ScatterLayout, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None, splits: int
 ) -> torch.Tensor:
     n = b.shape[1] // ws.world_size
 
-    def produce(dst: int, out: torch.Tensor) -> None:
+    def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:
-            torch.mm(lay.a_2d, b[:, dst * n : (dst + 1) * n], out=out)
+            a_rows, b_cols = lay.a_2d[lo:hi], b[:, dst * n : (dst + 1) * n]
         else:
-            torch.mm(lay.a_chunk(dst), b, out=out)
+            a_rows, b_cols = lay.a_chunk(dst)[lo:hi], b
+        if acc is None:
+            torch.mm(a_rows, b_cols, out=out)
+        else:
+            torch.addmm(acc, a_rows, b_cols, out=out)
 
-    out = produce_and_reduce_scatter(ws, produce, lay.chunk_shape(b.shape[1]), lay.a_2d.dtype, reduce_op)
+    chunk_shape = lay.chunk_shape(b.shape[1])
+    out = produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, reduce_op, splits=splits)
     if bias is not None:
         out.add_(bias_chunk(lay, bias, ws.rank))
     return lay.restore(out)

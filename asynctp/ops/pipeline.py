@@ -1,21 +1,27 @@
-"""The pipelined collectives over a Workspace, with compute hooked into each chunk.
+"""The pipelined collectives over a Workspace, with compute hooked into each block.
 
-gather_and_consume (pull-based ring, all-gather -> consumer):
+Each rank's chunk is cut into `splits` row blocks, so the first remote matmul starts after one
+block has landed, not a whole chunk.
 
-    rank r:  copy shard -> own buffer | barrier(0) | copy stream: pull rank r+1, r+2, ...,
-             barrier(1) (peers are done reading r's buffer)
-             compute:  consume(r) from the input itself, then consume(r+k) once its pull landed,
-                       alternating the caller's stream and a side stream
+gather_and_consume (pull-based ring, all-gather -> consumer), rank r:
 
-produce_and_reduce_scatter (push-based, producer -> reduce-scatter):
+    copy stream:  shard -> own buffer | barrier(0) | pull blocks of r+1, r+2, ... (an event per
+                  block) | barrier(1): peers are done reading r's buffer | local shard -> output
+    compute:      consume(r) straight from the input (no wait), then each peer block once its
+                  event fired, alternating the caller's stream and a side stream
 
-    rank r:  copy stream: barrier(0) (every rank finished its previous op, slots are free)
-             compute:  produce chunk for r+1, r+2, ... into a temporary; the copy stream pushes
-                       each into slot r of its owner's buffer; produce own chunk into own slot
-             barrier(1) (every push into r's slots landed) | one fp32 reduction of r's slots
+produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
 
-The same code runs on the cpu backend, where the Lanes are no-ops and everything is in
-program order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contract).
+    copy stream:  barrier(0): every rank finished its previous op, slots are free |
+                  push each produced block into slot r of its owner, then signal the owner
+    compute:      produce the blocks for r+1, r+2, ... first, own blocks last; each own block
+                  waits for its peers' signals and is reduced right away: with 2 ranks the
+                  reduction is the GEMM's own epilogue (addmm onto the received partial),
+                  otherwise one fp32 sum over the slots
+No closing barrier is needed: every push is matched by a wait on its signal.
+
+The same code runs on the cpu backend, where the Lanes are no-ops and work runs in program
+order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contract).
 """
 
 from __future__ import annotations
@@ -26,118 +32,142 @@ import torch
 
 from asynctp.symm import Workspace
 
-__all__ = ["gather_and_consume", "produce_and_reduce_scatter"]
+__all__ = ["gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
 
 _ALIGN = 256  # cuBLAS and the copy engines like 256-byte aligned operands
+_SIGNAL_BASE = 2  # signal channels start after the two barrier channels
 
 
 def _aligned(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def row_blocks(rows: int, splits: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of `splits` near-equal blocks (fewer if rows < splits)."""
+    splits = max(1, min(splits, rows))
+    bounds = [rows * i // splits for i in range(splits + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(splits)]
+
+
 def gather_and_consume(
     ws: Workspace,
     shards: list[torch.Tensor],
     gathered: list[torch.Tensor],
-    consume: Callable[[int, list[torch.Tensor]], None],
+    consume: Callable[[int, int, list[torch.Tensor]], None],
     *,
+    splits: int = 1,
     alternate: bool = True,
 ) -> None:
-    """All-gather each shard ([m_i, ...], contiguous) into gathered[i] ([R * m_i, ...], rank order)
-    and call consume(src_rank, chunks) as each rank's chunks arrive, local rank first.
-
-    consume must only read its chunks; with alternate=True consecutive calls may run on two
-    streams at once, so they must write disjoint outputs.
-    """
+    """All-gather each shard ([m, ...], contiguous, same m) into gathered[i] ([R * m, ...], rank
+    order) and call consume(src_rank, row_lo, blocks) as blocks arrive: first the whole local
+    shard (row_lo 0), then each peer's row blocks. consume must only read its blocks; with
+    alternate=True consecutive calls may run on two streams at once (disjoint outputs only)."""
     rank, world = ws.rank, ws.world_size
+    m = shards[0].shape[0]
     offsets, total = [], 0
     for t in shards:
         offsets.append(total)
         total += _aligned(t.numel() * t.element_size())
     ws.ensure(total)
     lanes = ws.lanes
+    blocks = row_blocks(m, splits)
 
-    for t, off in zip(shards, offsets):
-        ws.get_buffer(rank, t.shape, t.dtype, off).copy_(t)
-    ws.barrier(channel=0)
     lanes.fork()
-
-    def chunks_of(src: int) -> list[torch.Tensor]:
-        return [g[src * t.shape[0] : (src + 1) * t.shape[0]] for g, t in zip(gathered, shards)]
-
-    arrived = {}
+    arrived = []
     with lanes.copy():
+        for t, off in zip(shards, offsets):
+            ws.get_buffer(rank, t.shape, t.dtype, off).copy_(t)
+        ws.barrier(channel=0)
         for step in range(1, world):
             src = (rank + step) % world
-            for dst, t, off in zip(chunks_of(src), shards, offsets):
-                dst.copy_(ws.get_buffer(src, t.shape, t.dtype, off))
-            arrived[src] = lanes.mark()
+            peer = [ws.get_buffer(src, t.shape, t.dtype, off) for t, off in zip(shards, offsets)]
+            for lo, hi in blocks:
+                for g, p in zip(gathered, peer):
+                    g[src * m + lo : src * m + hi].copy_(p[lo:hi])
+                arrived.append((src, lo, hi, lanes.mark()))
         ws.barrier(channel=1)
-        # the local chunk is needed only by the caller: copy it after the peers' chunks
-        for dst, t in zip(chunks_of(rank), shards):
-            dst.copy_(t)
+        for g, t in zip(gathered, shards):
+            g[rank * m : (rank + 1) * m].copy_(t)
 
     with lanes.compute(0):
-        consume(rank, shards)
-    for step in range(1, world):
-        src = (rank + step) % world
-        with lanes.compute(step if alternate else 0):
-            lanes.wait(arrived[src])
-            consume(src, chunks_of(src))
+        consume(rank, 0, shards)
+    for i, (src, lo, hi, event) in enumerate(arrived):
+        with lanes.compute(i + 1 if alternate else 0):
+            lanes.wait(event)
+            consume(src, lo, [g[src * m + lo : src * m + hi] for g in gathered])
     lanes.join()
 
 
 def produce_and_reduce_scatter(
     ws: Workspace,
-    produce: Callable[[int, torch.Tensor], None],
+    produce: Callable[[int, int, int, torch.Tensor, torch.Tensor | None], None],
     chunk_shape: tuple[int, int],
     dtype: torch.dtype,
     reduce_op: str,
+    *,
+    splits: int = 1,
 ) -> torch.Tensor:
-    """Reduce-scatter of chunks made on the fly: produce(dst_rank, out) writes this rank's partial
-    for dst_rank into out ([m, n]). Returns this rank's reduced chunk, a fresh [m, n] tensor."""
+    """Reduce-scatter of partials made on the fly. produce(dst_rank, lo, hi, out, acc) writes this
+    rank's partial for rows lo:hi of dst_rank's chunk into out ([hi - lo, n]); when acc is given
+    it must write acc + partial instead (one rounding: the GEMM epilogue). Returns this rank's
+    reduced chunk, a fresh [m, n] tensor."""
     rank, world = ws.rank, ws.world_size
-    chunk_bytes = _aligned(chunk_shape[0] * chunk_shape[1] * dtype.itemsize)
+    m, n = chunk_shape
+    chunk_bytes = _aligned(m * n * dtype.itemsize)
     ws.ensure(world * chunk_bytes)
     lanes = ws.lanes
+    blocks = row_blocks(m, splits)
 
     def slot(owner: int, src: int) -> torch.Tensor:
         return ws.get_buffer(owner, chunk_shape, dtype, src * chunk_bytes)
 
-    # temporaries come from the caller's stream, before the fork, so freeing them after the
-    # join is ordered after every use on the side streams
-    partials = [torch.empty(chunk_shape, dtype=dtype, device=ws.device) for _ in range(world - 1)]
+    # everything the side streams touch is allocated here, on the caller's stream, before the
+    # fork: freeing it after the join is then ordered after every use
+    out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
+    partials = torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
-    for step in range(1, world):
-        dst = (rank + step) % world
-        with lanes.compute(step - 1):
-            produce(dst, partials[step - 1])
-            ready = lanes.mark()
-        with lanes.copy():
-            lanes.wait(ready)
-            slot(dst, rank).copy_(partials[step - 1])
-    with lanes.compute(world - 1):
-        produce(rank, slot(rank, rank))
+    step_index = 0
+    for b, (lo, hi) in enumerate(blocks):
+        for step in range(1, world):
+            dst = (rank + step) % world
+            with lanes.compute(step_index):
+                produce(dst, lo, hi, partials[step - 1, lo:hi], None)
+                ready = lanes.mark()
+            step_index += 1
+            with lanes.copy():
+                lanes.wait(ready)
+                slot(dst, rank)[lo:hi].copy_(partials[step - 1, lo:hi])
+                ws.put_signal(dst, channel=_SIGNAL_BASE + b)
+    own = slot(rank, rank)
+    packed = m * n * dtype.itemsize == chunk_bytes  # slots back to back: one [R, m, n] view
+    for b, (lo, hi) in enumerate(blocks):
+        with lanes.compute(step_index):
+            for step in range(1, world):
+                ws.wait_signal((rank - step) % world, channel=_SIGNAL_BASE + b)
+            if world == 2 and reduce_op == "sum":
+                produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
+            else:
+                produce(rank, lo, hi, own[lo:hi], None)
+                if packed:
+                    parts = ws.get_buffer(rank, (world, *chunk_shape), dtype, 0)[:, lo:hi]
+                else:
+                    parts = torch.stack([slot(rank, src)[lo:hi] for src in range(world)])
+                _reduce_into(out[lo:hi], parts, reduce_op)
+        step_index += 1
     lanes.join()
-    ws.barrier(channel=1)
-    return _reduce(ws.get_buffer(rank, (world, *chunk_shape), dtype, 0) if _packed(chunk_shape, dtype)
-                   else torch.stack([slot(rank, src) for src in range(world)]), reduce_op)
+    return out
 
 
-def _packed(chunk_shape: tuple[int, int], dtype: torch.dtype) -> bool:
-    """Slots sit back to back (no alignment padding), so they view as one [R, m, n] tensor."""
-    nbytes = chunk_shape[0] * chunk_shape[1] * dtype.itemsize
-    return nbytes == _aligned(nbytes)
-
-
-def _reduce(slots: torch.Tensor, reduce_op: str) -> torch.Tensor:
-    """Sum (or average) over ranks with one rounding; always a fresh tensor."""
-    world = slots.shape[0]
+def _reduce_into(out: torch.Tensor, parts: torch.Tensor, reduce_op: str) -> None:
+    """out = sum (or mean) over dim 0 of parts, accumulated in fp32, rounded once."""
+    world = parts.shape[0]
     if world == 2 and reduce_op == "sum":
-        return torch.add(slots[0], slots[1])  # computed in fp32, rounded once
-    total = torch.sum(slots, dim=0, dtype=torch.float32 if slots.dtype != torch.float64 else None)
+        torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
+        return
+    acc_dtype = torch.float64 if parts.dtype == torch.float64 else torch.float32
+    total = torch.sum(parts, dim=0, dtype=acc_dtype)
     if reduce_op == "avg":
         total.div_(world)
-    return total.to(slots.dtype)
+    out.copy_(total)

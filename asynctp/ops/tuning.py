@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_path", "pick", "record", "load"]
+__all__ = ["cache_path", "pick", "record", "load", "splits_for"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
+_SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
+# A block smaller than this many rows makes GEMMs too thin to run near peak.
+_MIN_BLOCK_ROWS = 1024
 # Total matmul FLOPs under which a pipeline cannot pay on one GPU per rank (measured on 2xH200:
 # see benchmarks/results/README.md). Override by tuning.
 _MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
@@ -66,3 +69,18 @@ def pick(op: str, ws, device: torch.device, shape_key: tuple) -> str:
         return cached
     _, m, n, k = shape_key
     return "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"
+
+
+def splits_for(op: str, shape_key: tuple, world_size: int) -> int:
+    """Row blocks per rank chunk: enough that the first remote block lands early, few enough
+    that each block's GEMM stays large."""
+    forced = os.environ.get(_SPLITS_ENV)
+    if forced:
+        return max(1, int(forced))
+    _, m_total, _, _ = shape_key
+    rows = m_total // world_size
+    if op == "matmul_reduce_scatter" and world_size == 2:
+        # the own block's GEMM must start after the peer's partial landed: two blocks let the
+        # push of one overlap the GEMM of the next
+        return max(1, min(2, rows // _MIN_BLOCK_ROWS))
+    return 1

@@ -29,7 +29,7 @@ from asynctp.config import get_timeout
 
 __all__ = ["Workspace", "Lanes", "resolve_group", "group_name_of"]
 
-NUM_CHANNELS = 4
+NUM_CHANNELS = 64  # 2 barrier channels + one signal channel per row block
 
 
 def resolve_group(group: Any) -> dist.ProcessGroup:
