@@ -1,0 +1,174 @@
+"""Rank-side test bodies for the training layer (asynctp.nn, asynctp.parallel, the demo model),
+shared by tests/dist (gloo, cpu backend) and tests/gpu (nccl, cuda backend).
+
+The autograd functions are checked exactly: small-integer inputs, a float64 serial reference
+built on every rank from seeds (every rank can build every rank's shards), atol=0. The parallel
+styles are checked on the demo's tiny Llama against one unsharded process (float32, tolerances).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import asynctp
+from asynctp.nn import all_gather_linear, linear_reduce_scatter
+from tests.cases import DTYPES, ints, world
+
+# ---------------------------------------------------------------- autograd functions, exact
+
+
+def _col_case(device, dtype, gather_dim, num_weights, with_bias, save, seed, strategy="auto"):
+    """all_gather_linear forward and backward against the float64 serial reference."""
+    rank, ws = world()
+    k = 4 * ws
+    shard_shape = [2, 3, k]
+    if gather_dim == 2:
+        shard_shape[2] = k // ws
+    shards = [ints(shard_shape, seed * 100 + r, dtype, device) for r in range(ws)]
+    # every rank's weights: rank p holds weights[p][i] of shape (N_i, K)
+    weights = [[ints((3 + 2 * i, k), seed * 100 + 20 + 10 * p + i, dtype, device) for i in range(num_weights)] for p in range(ws)]
+    biases = [[ints((w.shape[0],), seed * 100 + 60 + 10 * p + i, dtype, device) if with_bias else None
+               for i, w in enumerate(weights[p])] for p in range(ws)]
+    x_full = torch.cat(shards, dim=gather_dim)
+    grads_out = [[ints(x_full.shape[:-1] + (w.shape[0],), seed * 100 + 90 + 10 * p + i, dtype, device)
+                  for i, w in enumerate(weights[p])] for p in range(ws)]
+
+    x_shard = shards[rank].clone().requires_grad_()
+    my_w = [w.clone().requires_grad_() for w in weights[rank]]
+    my_b = [b.clone().requires_grad_() if b is not None else None for b in biases[rank]]
+    outs = all_gather_linear(
+        x_shard, my_w if num_weights > 1 else my_w[0], my_b if num_weights > 1 else my_b[0],
+        group=dist.group.WORLD, gather_dim=gather_dim, save_gathered_input=save, strategy=strategy,
+    )
+    outs = outs if num_weights > 1 else [outs]
+    torch.autograd.backward(outs, grads_out[rank])
+
+    x_ref = x_full.double()
+    label = f"col dim={gather_dim} n={num_weights} bias={with_bias} save={save} {dtype}"
+    for i, (o, w, b) in enumerate(zip(outs, weights[rank], biases[rank])):
+        ref = F.linear(x_ref, w.double(), b.double() if b is not None else None).to(dtype)
+        assert torch.equal(o, ref), f"{label}: out {i}"
+    grad_x_full = sum(g.double() @ w.double() for p in range(ws) for g, w in zip(grads_out[p], weights[p]))
+    grad_x_ref = grad_x_full.chunk(ws, dim=gather_dim)[rank].to(dtype)
+    assert torch.equal(x_shard.grad, grad_x_ref), f"{label}: grad x, max diff {(x_shard.grad.double() - grad_x_ref.double()).abs().max()}"
+    x_2d = x_ref.reshape(-1, x_ref.shape[-1])
+    for i, (w, b, g) in enumerate(zip(my_w, my_b, grads_out[rank])):
+        g_2d = g.double().reshape(-1, g.shape[-1])
+        assert torch.equal(w.grad, (g_2d.t() @ x_2d).to(dtype)), f"{label}: grad weight {i}"
+        if b is not None:
+            assert torch.equal(b.grad, g_2d.sum(0).to(dtype)), f"{label}: grad bias {i}"
+
+
+def _row_case(device, dtype, scatter_dim, with_bias, seed, strategy="auto"):
+    """linear_reduce_scatter forward and backward against the float64 serial reference."""
+    rank, ws = world()
+    k, n = 4, 3 * ws
+    shape = [2, 3, k]
+    if scatter_dim != 2:
+        shape[scatter_dim] *= ws
+    xs = [ints(shape, seed * 100 + r, dtype, device) for r in range(ws)]
+    ws_ = [ints((n, k), seed * 100 + 20 + r, dtype, device) for r in range(ws)]
+    bias = ints((n,), seed * 100 + 50, dtype, device) if with_bias else None
+    y_full = sum(x.double() @ w.double().t() for x, w in zip(xs, ws_))
+    chunk_shape = list(y_full.chunk(ws, dim=scatter_dim)[0].shape)
+    grads = [ints(chunk_shape, seed * 100 + 70 + r, dtype, device) for r in range(ws)]
+
+    x = xs[rank].clone().requires_grad_()
+    w = ws_[rank].clone().requires_grad_()
+    b = bias.clone().requires_grad_() if with_bias else None
+    out = linear_reduce_scatter(x, w, b, group=dist.group.WORLD, scatter_dim=scatter_dim, strategy=strategy)
+    out.backward(grads[rank])
+
+    label = f"row dim={scatter_dim} bias={with_bias} {dtype}"
+    ref = y_full.chunk(ws, dim=scatter_dim)[rank]
+    if with_bias:
+        ref = ref + (bias.double().chunk(ws)[rank] if scatter_dim == 2 else bias.double())
+    assert torch.equal(out, ref.to(dtype)), f"{label}: out"
+    g_full = torch.cat([g.double() for g in grads], dim=scatter_dim)
+    assert torch.equal(x.grad, (g_full @ w.double()).to(dtype)), f"{label}: grad x"
+    g_2d = g_full.reshape(-1, n)
+    assert torch.equal(w.grad, (g_2d.t() @ x.double().reshape(-1, k)).to(dtype)), f"{label}: grad weight"
+    if with_bias:
+        assert torch.equal(b.grad, g_2d.sum(0).to(dtype)), f"{label}: grad bias"
+
+
+def linear_grid(device: str, dtype_name: str, strategy: str = "auto") -> int:
+    """Every gather/scatter dim of a 3-D input, one and several weights, bias or not."""
+    dtype = DTYPES[dtype_name]
+    count = 0
+    for dim in (0, 1, 2):
+        for num_weights, with_bias, save in ((1, False, False), (3, True, False), (2, True, True), (1, True, True)):
+            _col_case(device, dtype, dim, num_weights, with_bias, save, seed=count, strategy=strategy)
+            count += 1
+        for with_bias in (False, True):
+            _row_case(device, dtype, dim, with_bias, seed=count, strategy=strategy)
+            count += 1
+    return count
+
+
+def two_layers_in_a_row(device: str, save_gathered_input: bool) -> None:
+    """col -> relu -> row -> col -> relu -> row, twice with other data: every grad equals the
+    serial reference, so nothing saved for backward pointed into a reused workspace."""
+    rank, ws = world()
+    dtype = torch.float32
+    d, h = 4, 2 * ws  # model dim, hidden per rank
+    full_w = [ints((h * ws, d), 11, dtype, device), ints((d, h * ws), 12, dtype, device),
+              ints((h * ws, d), 13, dtype, device), ints((d, h * ws), 14, dtype, device)]
+    local_w = [full_w[0].chunk(ws, 0)[rank], full_w[1].chunk(ws, 1)[rank],
+               full_w[2].chunk(ws, 0)[rank], full_w[3].chunk(ws, 1)[rank]]
+    params = [w.clone().requires_grad_() for w in local_w]
+    ref_params = [w.double().requires_grad_() for w in full_w]
+    g = dist.group.WORLD
+    for trial in range(2):
+        x_full = ints((2, 3 * ws, d), 100 + trial, dtype, device, low=-1, high=2)
+        x_shard = x_full.chunk(ws, 1)[rank].clone().requires_grad_()
+        y = x_shard
+        for i in (0, 2):
+            hidden = all_gather_linear(y, params[i], group=g, gather_dim=1, save_gathered_input=save_gathered_input)
+            y = linear_reduce_scatter(torch.relu(hidden), params[i + 1], group=g, scatter_dim=1)
+        y_grad = ints(y.shape, 200 + trial + rank, dtype, device, low=-1, high=2)
+        y.backward(y_grad)
+
+        x_ref = x_full.double().requires_grad_()
+        y_ref = x_ref
+        for i in (0, 2):
+            y_ref = F.linear(torch.relu(F.linear(y_ref, ref_params[i])), ref_params[i + 1])
+        grad_full = torch.cat([ints(y.shape, 200 + trial + p, dtype, device, low=-1, high=2) for p in range(ws)], 1)
+        y_ref.backward(grad_full.double())
+        assert torch.equal(y, y_ref.chunk(ws, 1)[rank].to(dtype)), f"trial {trial}: output"
+        assert torch.equal(x_shard.grad, x_ref.grad.chunk(ws, 1)[rank].to(dtype)), f"trial {trial}: grad x"
+        for i, (p, r) in enumerate(zip(params, ref_params)):
+            ref_grad = r.grad.chunk(ws, 0 if i % 2 == 0 else 1)[rank].to(dtype)
+            assert torch.equal(p.grad, ref_grad), f"trial {trial}: grad of weight {i}"
+        for p in params + ref_params:
+            p.grad = None
+
+
+def bad_linear_inputs(device: str) -> list[str]:
+    import pytest
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    x = ints((2, 3, 8), rank, torch.float32, device)
+    w = ints((5, 8), 1, torch.float32, device)
+    cases = [
+        (ValueError, "weight[0] requires an nn.Linear weight of shape (N, 8)", lambda: all_gather_linear(x, w.t(), group=g)),
+        (ValueError, "bias[1] requires shape (5,)", lambda: all_gather_linear(x, [w, w], [None, w[0]], group=g)),
+        (ValueError, "bias requires one entry per weight (2)", lambda: all_gather_linear(x, [w, w], [None], group=g)),
+        (ValueError, "gather_dim requires a dim in [-3, 2]", lambda: all_gather_linear(x, w, group=g, gather_dim=3)),
+        (ValueError, "x_shard requires a tensor with at least 2 dims", lambda: all_gather_linear(x[0, 0], w, group=g)),
+        (TypeError, "save_gathered_input requires a bool", lambda: all_gather_linear(x, w, group=g, save_gathered_input=1)),
+        (ValueError, "weight requires an nn.Linear weight of shape (N, 8)", lambda: linear_reduce_scatter(x, w.t(), group=g)),
+        (ValueError, f"requires a size divisible by the world size {ws}", lambda: linear_reduce_scatter(x[:1], w, group=g)),
+        (ValueError, "bias requires shape (5,)", lambda: linear_reduce_scatter(x, w, w[0, :4], group=g, scatter_dim=1)),
+        (TypeError, "ProcessGroup or its name", lambda: all_gather_linear(x, w, group=None)),
+    ]
+    messages = []
+    for exc_type, text, call in cases:
+        with pytest.raises(exc_type) as info:
+            call()
+        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
+        messages.append(str(info.value))
+    return messages
