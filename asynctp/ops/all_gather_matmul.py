@@ -10,10 +10,10 @@ import torch
 from asynctp.ops.layout import GatherLayout, gather_layout
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
-from asynctp.ops.strategy import choose
+from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import splits_for
 from asynctp.ops.validate import check_all_gather_matmul
-from asynctp.symm import Workspace, group_name_of, resolve_group
+from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["all_gather_matmul"]
 
@@ -43,13 +43,14 @@ def all_gather_matmul(
     strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
     (pull-based ring over the symmetric workspace, copies overlapped with the matmuls).
     """
-    group_name = group_name_of(group)
-    world_size = resolve_group(group_name).size()
-    _, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, world_size, biases, strategy)
+    pg = resolve_group(group)
+    dim, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, pg.size(), biases, strategy)
     if not isinstance(return_a, bool):
         raise TypeError(f"return_a requires a bool, got {type(return_a).__name__}")
+    if eager_call_ok(a_shard, *bs, *biases):
+        return _run(a_shard, bs, dim, pg, return_a, biases, strategy)
     a_gathered, outs = torch.ops.asynctp.all_gather_matmul(
-        a_shard, bs, gather_dim, group_name, return_a, biases, strategy
+        a_shard, bs, gather_dim, pg.group_name, return_a, biases, strategy
     )
     return a_gathered, list(outs)
 
@@ -63,6 +64,11 @@ def all_gather_matmul(
 def _all_gather_matmul_op(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
     group = resolve_group(group_name)
     dim, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, group.size(), biases, strategy)
+    return _run(a_shard, bs, dim, group, return_a, biases, strategy)
+
+
+def _run(a_shard, bs, dim, group, return_a, biases, strategy):
+    """The implementation, on validated arguments (dim normalized)."""
     lay = gather_layout(a_shard, dim, group.size())
     m_total = lay.m * (1 if lay.k_mode else group.size())
     n_total = sum(b.shape[1] for b in bs)
@@ -70,8 +76,8 @@ def _all_gather_matmul_op(a_shard, bs, gather_dim, group_name, return_a, biases,
     chosen, ws = choose("all_gather_matmul", strategy, group, a_shard.device, shape_key)
     if chosen == "serial":
         return all_gather_matmul_serial(lay, bs, biases, group, return_a)
-    with ws.running("all_gather_matmul"):
-        return _pipelined(ws, lay, bs, biases, return_a, splits_for("all_gather_matmul", shape_key, ws.world_size))
+    ws.op = "all_gather_matmul"
+    return _pipelined(ws, lay, bs, biases, return_a, splits_for("all_gather_matmul", shape_key, ws.world_size))
 
 
 @_all_gather_matmul_op.register_fake

@@ -10,10 +10,10 @@ import torch
 from asynctp.ops.layout import ScatterLayout, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
-from asynctp.ops.strategy import choose
+from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import splits_for
 from asynctp.ops.validate import check_matmul_reduce_scatter
-from asynctp.symm import Workspace, group_name_of, resolve_group
+from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["matmul_reduce_scatter"]
 
@@ -44,10 +44,11 @@ def matmul_reduce_scatter(
     strategy: "auto" (measured per shape), "serial" (matmul then collective), "pipeline"
     (each rank's partial pushed over the symmetric workspace while the next is computed).
     """
-    group_name = group_name_of(group)
-    world_size = resolve_group(group_name).size()
-    check_matmul_reduce_scatter(a, b, scatter_dim, world_size, reduce_op, bias, strategy)
-    return torch.ops.asynctp.matmul_reduce_scatter(a, b, scatter_dim, group_name, reduce_op, bias, strategy)
+    pg = resolve_group(group)
+    dim = check_matmul_reduce_scatter(a, b, scatter_dim, pg.size(), reduce_op, bias, strategy)
+    if eager_call_ok(a, b, bias):
+        return _run(a, b, dim, pg, reduce_op, bias, strategy)
+    return torch.ops.asynctp.matmul_reduce_scatter(a, b, scatter_dim, pg.group_name, reduce_op, bias, strategy)
 
 
 @torch.library.custom_op(
@@ -59,13 +60,18 @@ def matmul_reduce_scatter(
 def _matmul_reduce_scatter_op(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
     group = resolve_group(group_name)
     dim = check_matmul_reduce_scatter(a, b, scatter_dim, group.size(), reduce_op, bias, strategy)
+    return _run(a, b, dim, group, reduce_op, bias, strategy)
+
+
+def _run(a, b, dim, group, reduce_op, bias, strategy):
+    """The implementation, on validated arguments (dim normalized)."""
     lay = scatter_layout(a, dim, group.size())
     shape_key = (str(a.dtype).removeprefix("torch."), lay.a_2d.shape[0], b.shape[1], b.shape[0])
     chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
     if chosen == "serial":
         return matmul_reduce_scatter_serial(lay, b, reduce_op, bias, group)
-    with ws.running("matmul_reduce_scatter"):
-        return _pipelined(ws, lay, b, reduce_op, bias, splits_for("matmul_reduce_scatter", shape_key, ws.world_size))
+    ws.op = "matmul_reduce_scatter"
+    return _pipelined(ws, lay, b, reduce_op, bias, splits_for("matmul_reduce_scatter", shape_key, ws.world_size))
 
 
 @_matmul_reduce_scatter_op.register_fake

@@ -6,7 +6,24 @@ import torch
 
 from asynctp.symm import Workspace, get_workspace
 
-__all__ = ["choose"]
+__all__ = ["choose", "eager_call_ok"]
+
+
+def eager_call_ok(*tensors: torch.Tensor | None) -> bool:
+    """True when a call can skip the dispatcher and run the implementation directly: plain
+    tensors, no tracing or dispatch mode, and no autograd to record (the custom ops have no
+    autograd formula; through the dispatcher, backward raises instead of being silently wrong).
+    The dispatcher costs tens of microseconds per call; in eager mode host time per call decides
+    whether the GPU idles between ops."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return False
+    return True
 
 
 def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple) -> tuple[str, Workspace | None]:

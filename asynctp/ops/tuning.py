@@ -8,6 +8,7 @@ what overlap can hide, so serial wins.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ _MIN_BLOCK_ROWS = 1024
 # see benchmarks/results/README.md). Override by tuning.
 _MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
 _table: dict[str, str] | None = None
+_picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
 
 
 def cache_path() -> Path:
@@ -44,15 +46,20 @@ def load() -> dict[str, str]:
     return _table
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def _key(op: str, world_size: int, device: torch.device, shape_key: tuple) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return "|".join([op, name, f"R{world_size}", *map(str, shape_key)])
+    return "|".join([op, _device_name(device), f"R{world_size}", *map(str, shape_key)])
 
 
 def record(op: str, world_size: int, device: torch.device, shape_key: tuple, strategy: str) -> None:
     """Remember the measured best strategy for a shape (written through to the cache file)."""
     table = load()
     table[_key(op, world_size, device, shape_key)] = strategy
+    _picked.clear()
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -64,11 +71,15 @@ def pick(op: str, ws, device: torch.device, shape_key: tuple) -> str:
     """shape_key = (dtype, M, N, K) of the full (gathered / unscattered) matmul."""
     if device.type != "cuda":
         return "pipeline"  # the cpu backend exists to run the pipeline; CI exercises it via auto
-    cached = load().get(_key(op, ws.world_size, device, shape_key))
-    if cached is not None:
-        return cached
-    _, m, n, k = shape_key
-    return "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"
+    memo = (op, ws.world_size, device, shape_key)
+    choice = _picked.get(memo)
+    if choice is None:
+        choice = load().get(_key(op, ws.world_size, device, shape_key))
+        if choice is None:
+            _, m, n, k = shape_key
+            choice = "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"
+        _picked[memo] = choice
+    return choice
 
 
 def splits_for(op: str, shape_key: tuple, world_size: int) -> int:

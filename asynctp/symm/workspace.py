@@ -55,20 +55,27 @@ class Lanes:
     """The streams of one pipelined call: the caller's, a second compute stream, a copy stream.
 
     On CPU every method is a no-op and work runs in program order, so the same pipeline code
-    serves both backends.
+    serves both backends. Contexts and events are made once and reused: the pipelines run in
+    eager mode, where host overhead per call is what decides whether the GPU ever idles.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.is_cuda = device.type == "cuda"
+        self._null = contextlib.nullcontext()
+        self._events: list[Any] = []
+        self._next_event = 0
         if self.is_cuda:
             with torch.cuda.device(device):
                 # High priority: otherwise CUDA may start the next matmul before the copy the
                 # matmul after it needs, and the pipeline stalls on that copy.
                 self.copy_stream = torch.cuda.Stream(priority=-1)
                 self.side_stream = torch.cuda.Stream()
+            self._copy_ctx = torch.cuda.StreamContext(self.copy_stream)
+            self._side_ctx = torch.cuda.StreamContext(self.side_stream)
 
     def fork(self) -> None:
         """Side streams start after everything queued so far on the caller's stream."""
+        self._next_event = 0
         if self.is_cuda:
             cur = torch.cuda.current_stream()
             self.copy_stream.wait_stream(cur)
@@ -81,28 +88,22 @@ class Lanes:
             cur.wait_stream(self.copy_stream)
             cur.wait_stream(self.side_stream)
 
-    @contextlib.contextmanager
-    def copy(self) -> Iterator[None]:
-        if self.is_cuda:
-            with torch.cuda.stream(self.copy_stream):
-                yield
-        else:
-            yield
+    def copy(self) -> contextlib.AbstractContextManager:
+        return self._copy_ctx if self.is_cuda else self._null
 
-    @contextlib.contextmanager
-    def compute(self, step: int) -> Iterator[None]:
+    def compute(self, step: int) -> contextlib.AbstractContextManager:
         """Even steps on the caller's stream, odd ones on the side stream."""
-        if self.is_cuda and step % 2 == 1:
-            with torch.cuda.stream(self.side_stream):
-                yield
-        else:
-            yield
+        return self._side_ctx if (self.is_cuda and step % 2 == 1) else self._null
 
     def mark(self) -> Any:
-        """An event on the current stream (None on CPU)."""
+        """An event recorded on the current stream (None on CPU). Events are reused from call to
+        call: a wait already enqueued is not affected by a later record."""
         if not self.is_cuda:
             return None
-        event = torch.cuda.Event()
+        if self._next_event == len(self._events):
+            self._events.append(torch.cuda.Event())
+        event = self._events[self._next_event]
+        self._next_event += 1
         event.record()
         return event
 
@@ -126,6 +127,7 @@ class Workspace(abc.ABC):
         self.lanes = Lanes(device)
         self.op = "workspace"  # the op in progress, named in timeout errors
         self.nbytes = 0
+        self._views: dict[tuple, torch.Tensor] = {}  # get_buffer results, dropped on growth
 
     # -- buffers ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -147,6 +149,7 @@ class Workspace(abc.ABC):
                 f"call asynctp.reserve(group, {nbytes}) before capturing"
             )
         # Round up so a run of slowly growing shapes does not rendezvous at every call.
+        self._views.clear()
         self._grow(max(nbytes, 2 * self.nbytes, 1 << 20))
 
     def reserve(self, nbytes: int) -> None:
@@ -159,6 +162,13 @@ class Workspace(abc.ABC):
         self, rank: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, offset: int = 0
     ) -> torch.Tensor:
         """A view of `rank`'s buffer: `shape` elements of `dtype` starting `offset` bytes in."""
+        key = (rank, tuple(shape), dtype, offset)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._view(rank, shape, dtype, offset)
+        return view
+
+    def _view(self, rank: int, shape, dtype: torch.dtype, offset: int) -> torch.Tensor:
         itemsize = dtype.itemsize
         numel = 1
         for s in shape:
@@ -190,7 +200,8 @@ class Workspace(abc.ABC):
 
     @contextlib.contextmanager
     def running(self, op: str) -> Iterator[Workspace]:
-        """Name the op in progress, so that a timeout says which op waited."""
+        """Name the op in progress, so that a timeout says which op waited (hot paths set
+        `ws.op` directly: a generator context costs microseconds per call)."""
         previous, self.op = self.op, op
         try:
             yield self

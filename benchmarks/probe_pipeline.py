@@ -1,0 +1,146 @@
+"""Developer probe (not the benchmark): serial vs pipeline at several row-block counts vs torch's
+fused op, seed shapes, all local GPUs, plus an optional profiler trace. Used to choose the
+pipeline's defaults; `asynctp bench` is the measurement of record.
+
+    python benchmarks/probe_pipeline.py OUT_DIR [profile]
+"""
+
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+SPLITS = [int(s) for s in os.environ.get("PROBE_SPLITS", "1,2,4").split(",")]
+MS = [int(s) for s in os.environ.get("PROBE_M", "2048,4096,8192").split(",")]
+
+
+def timeit(fn, iters=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in evs:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    med = statistics.median(s.elapsed_time(e) for s, e in evs) * 1000
+    t = torch.tensor([med], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return round(t.item(), 1)
+
+
+def with_splits(sp, fn):
+    def call():
+        os.environ["ASYNCTP_SPLITS"] = str(sp)
+        try:
+            return fn()
+        finally:
+            os.environ.pop("ASYNCTP_SPLITS", None)
+
+    return call
+
+
+def probe_shape(M, g, rank, ws):
+    import asynctp
+
+    gn = g.group_name
+    N, K = 3584, 8192
+    torch.manual_seed(rank)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a_shard, a_full = torch.randn(M // ws, K, **bf), torch.randn(M, K, **bf)
+    b = torch.randn(K, N, **bf) / 64
+    ag_out = torch.empty(M, K, **bf)
+    r = {"op": "ag", "M": M}
+    r["mm"] = timeit(lambda: torch.mm(a_full, b))
+    r["nccl"] = timeit(lambda: dist.all_gather_into_tensor(ag_out, a_shard, group=g))
+    r["serial"] = timeit(lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="serial"))
+    ref = asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="serial")
+    for sp in SPLITS:
+        call = with_splits(sp, lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="pipeline"))
+        got = call()
+        assert torch.equal(got[0], ref[0])
+        torch.testing.assert_close(got[1][0], ref[1][0], rtol=2e-2, atol=2e-2)
+        r[f"pipe{sp}"] = timeit(call)
+    try:
+        r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gn))
+    except Exception as e:  # noqa: BLE001
+        r["torch"] = str(e)[:80]
+    rows = [r]
+    a2, b2 = torch.randn(M, N, **bf), torch.randn(N, K, **bf) / 64
+    full, rs_out = torch.randn(M, K, **bf), torch.empty(M // ws, K, **bf)
+    r = {"op": "rs", "M": M}
+    r["mm"] = timeit(lambda: torch.mm(a2, b2))
+    r["nccl"] = timeit(lambda: dist.reduce_scatter_tensor(rs_out, full, group=g))
+    r["serial"] = timeit(lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="serial"))
+    ref = asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="serial")
+    for sp in SPLITS:
+        call = with_splits(sp, lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="pipeline"))
+        torch.testing.assert_close(call(), ref, rtol=2e-2, atol=5e-2)
+        r[f"pipe{sp}"] = timeit(call)
+    try:
+        r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a2, b2, "sum", 0, gn))
+    except Exception as e:  # noqa: BLE001
+        r["torch"] = str(e)[:80]
+    rows.append(r)
+    return rows
+
+
+def profile(g, rank, ws, out):
+    import asynctp
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+    M = 4096
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a_shard, b = torch.randn(M // ws, 8192, **bf), torch.randn(8192, 3584, **bf)
+    a2, b2 = torch.randn(M, 3584, **bf), torch.randn(3584, 8192, **bf)
+
+    def step():
+        asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="pipeline")
+        asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="pipeline")
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        prof.export_chrome_trace(os.path.join(out, "trace_rank0.json"))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def main(rank, ws, out, do_profile):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=ws)
+    g = dist.group.WORLD
+    try:
+        import torch.distributed._symmetric_memory as sm
+
+        sm.enable_symm_mem_for_group(g.group_name)
+    except Exception as e:  # noqa: BLE001
+        print("enable_symm_mem_for_group:", e)
+    rows = []
+    for M in MS:
+        rows += probe_shape(M, g, rank, ws)
+        if rank == 0:
+            print(rows[-2], rows[-1], flush=True)
+    if do_profile:
+        profile(g, rank, ws, out)
+    if rank == 0:
+        with open(os.path.join(out, "probe.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(torch.cuda.device_count(), sys.argv[1], len(sys.argv) > 2), nprocs=torch.cuda.device_count())
