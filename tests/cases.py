@@ -271,8 +271,8 @@ def cuda_graph_capture() -> None:
         # every rank holds the same o, so the reduction is R * (o @ b2), rounded per partial
         ref = asynctp.matmul_reduce_scatter(o, b2, 0, g, strategy="serial")
         torch.testing.assert_close(r, ref, rtol=1e-2, atol=0)
-    big = ints((8192, 2048), rank, dtype, "cuda")
+    big, b_big = ints((8192, 2048), rank, dtype, "cuda"), ints((2048, 8), 1, dtype, "cuda")
     with pytest.raises(RuntimeError, match="reserve"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            asynctp.all_gather_matmul(big, [ints((2048, 8), 1, dtype, "cuda")], 0, g, strategy="pipeline")
+            asynctp.all_gather_matmul(big, [b_big], 0, g, strategy="pipeline")
     torch.cuda.synchronize()

@@ -128,14 +128,13 @@ def produce_and_reduce_scatter(
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
-    step_index = 0
+    # One compute stream: a block that shares the SMs with the next one finishes later, and
+    # every push (and so every peer's reduction) waits for it.
     for b, (lo, hi) in enumerate(blocks):
         for step in range(1, world):
             dst = (rank + step) % world
-            with lanes.compute(step_index):
-                produce(dst, lo, hi, partials[step - 1, lo:hi], None)
-                ready = lanes.mark()
-            step_index += 1
+            produce(dst, lo, hi, partials[step - 1, lo:hi], None)
+            ready = lanes.mark()
             with lanes.copy():
                 lanes.wait(ready)
                 slot(dst, rank)[lo:hi].copy_(partials[step - 1, lo:hi])
@@ -143,19 +142,17 @@ def produce_and_reduce_scatter(
     own = slot(rank, rank)
     packed = m * n * dtype.itemsize == chunk_bytes  # slots back to back: one [R, m, n] view
     for b, (lo, hi) in enumerate(blocks):
-        with lanes.compute(step_index):
-            for step in range(1, world):
-                ws.wait_signal((rank - step) % world, channel=_SIGNAL_BASE + b)
-            if world == 2 and reduce_op == "sum":
-                produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
+        for step in range(1, world):
+            ws.wait_signal((rank - step) % world, channel=_SIGNAL_BASE + b)
+        if world == 2 and reduce_op == "sum":
+            produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
+        else:
+            produce(rank, lo, hi, own[lo:hi], None)
+            if packed:
+                parts = ws.get_buffer(rank, (world, *chunk_shape), dtype, 0)[:, lo:hi]
             else:
-                produce(rank, lo, hi, own[lo:hi], None)
-                if packed:
-                    parts = ws.get_buffer(rank, (world, *chunk_shape), dtype, 0)[:, lo:hi]
-                else:
-                    parts = torch.stack([slot(rank, src)[lo:hi] for src in range(world)])
-                _reduce_into(out[lo:hi], parts, reduce_op)
-        step_index += 1
+                parts = torch.stack([slot(rank, src)[lo:hi] for src in range(world)])
+            _reduce_into(out[lo:hi], parts, reduce_op)
     lanes.join()
     return out
 
