@@ -1,0 +1,215 @@
+"""The registry of benchmarked ops: per op, how to build its inputs and every way to compute it.
+
+Adding an op is one `@register(name, kind)` builder that returns a `Problem`: the inputs live in
+the builder's closure, and the Problem's callables are what the harness times and compares. The
+harness (measure.py) knows nothing op-specific. Shape legend: see shapes.py ("gather" rows:
+a_shard [M / R, K] @ b [K, N]; "scatter" rows: a [M, N] @ b [N, K] -> out [M / R, K]).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import asynctp
+from asynctp.bench.shapes import KINDS, Shape
+
+__all__ = ["Problem", "OpCase", "CASES", "register", "dtype_name", "randn", "check_close", "call_torch_symm"]
+
+
+@dataclass
+class Problem:
+    """One op at one shape on this rank, inputs built; every callable is collective."""
+
+    op: str  # the op's name in asynctp's tuning cache
+    shape_key: tuple  # what the op passes to the tuning cache: (dtype, M, N, K) of its full matmul
+    workspace_bytes: int  # a generous asynctp.reserve() size for CUDA-graph capture
+    compute_bound: Callable[[], Any]  # the full local matmul (same FLOPs as the op), no communication
+    comm_bound: Callable[[], Any]  # the op's NCCL/gloo collective alone, no matmul
+    asynctp: Callable[[str], Any]  # strategy -> the op's result ("serial" is the reference)
+    torch_fused: Callable[[], Any]  # torch.ops.symm_mem's fused op (may raise: unsupported here)
+    check: Callable[[Any, Any], None]  # (got, serial's result): AssertionError naming what differs
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """A registry entry: which shape rows an op uses and how to build it."""
+
+    name: str  # registry key: `--op` value, results file prefix
+    kind: str  # "gather" or "scatter": which rows of each shape set it runs
+    build: Callable[[Shape, torch.dtype, dist.ProcessGroup, torch.device, int], Problem]
+    requires: Callable[[], str | None]  # why it cannot run in this installation (None: it can)
+
+
+CASES: dict[str, OpCase] = {}
+
+
+def _always() -> str | None:
+    return None
+
+
+def register(name: str, kind: str, requires: Callable[[], str | None] = _always):
+    """Decorator: add `build(shape, dtype, group, device, seed) -> Problem` to CASES as `name`."""
+    if kind not in KINDS:
+        raise ValueError(f"register requires a kind in {list(KINDS)}, got {kind!r}")
+
+    def wrap(build: Callable[..., Problem]) -> Callable[..., Problem]:
+        if name in CASES:
+            raise ValueError(f"register requires a new op name, got {name!r} twice")
+        CASES[name] = OpCase(name, kind, build, requires)
+        return build
+
+    return wrap
+
+
+# -- shared pieces of the builders --------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: how the ops spell dtypes in tuning-cache keys."""
+    return str(dtype).removeprefix("torch.")
+
+
+def randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+          scale: float = 1.0) -> torch.Tensor:
+    """Standard normal values (never zeros: a zero input hides wrong results and flatters
+    power-hungry kernels), times scale."""
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if scale != 1.0:
+        t.mul_(scale)
+    return t.to(dtype)
+
+
+def _generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed * 1009 + rank)
+
+
+_TOLERANCES = {  # (rtol, atol): values are ~N(0, R); chunked GEMMs may round differently
+    torch.bfloat16: (2e-2, 5e-2),
+    torch.float16: (5e-3, 1e-2),
+    torch.float32: (1e-4, 1e-3),
+}
+
+
+def check_close(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """AssertionError unless got matches want in shape, dtype and value (dtype's tolerance)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{label}: got {tuple(got.shape)} {got.dtype}, serial gives {tuple(want.shape)} {want.dtype}")
+    rtol, atol = _TOLERANCES.get(want.dtype, (2e-2, 5e-2))
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        raise AssertionError(f"{label} differs from serial: {exc}") from None
+
+
+def _check_gather(got: Any, want: Any) -> None:
+    a_got, outs_got = got
+    a_want, outs_want = want
+    if a_got is None or a_got.shape != a_want.shape or not torch.equal(a_got, a_want):
+        raise AssertionError("a_gathered is not exactly equal to serial's all_gather_into_tensor result")
+    if len(outs_got) != len(outs_want):
+        raise AssertionError(f"got {len(outs_got)} outputs, serial gives {len(outs_want)}")
+    for i, (o, w) in enumerate(zip(outs_got, outs_want)):
+        check_close(f"outs[{i}]", o, w)
+
+
+def _check_scatter(got: Any, want: Any) -> None:
+    check_close("out", got, want)
+
+
+def call_torch_symm(op_name: str, group_name: str, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+    """torch.ops.symm_mem.<op_name>(*args, **kwargs), registering the group with torch's
+    symmetric memory first on torch releases that still need it."""
+    import torch.distributed._symmetric_memory as symm_mem  # defines torch.ops.symm_mem
+
+    op = getattr(torch.ops.symm_mem, op_name)
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError:
+        if device.type != "cuda" or symm_mem.is_symm_mem_enabled_for_group(group_name):
+            raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group_name)
+    return op(*args, **kwargs)
+
+
+# -- bf16 / fp16 / fp32 ops ----------------------------------------------------------------
+
+
+@register("all_gather_matmul", "gather")
+def _all_gather_matmul(shape: Shape, dtype: torch.dtype, group: dist.ProcessGroup,
+                       device: torch.device, seed: int) -> Problem:
+    world = group.size()
+    gen = _generator(device, seed, group.rank())
+    n_each = shape.n // shape.num_bs
+    a_shard = randn((shape.m // world, shape.k), dtype, device, gen)  # [M / R, K]
+    bs = [randn((shape.k, n_each), dtype, device, gen, scale=shape.k**-0.5) for _ in range(shape.num_bs)]
+    a_full = randn((shape.m, shape.k), dtype, device, gen)  # [M, K]: the compute bound's input
+    outs = [torch.empty((shape.m, n_each), dtype=dtype, device=device) for _ in bs]
+    a_gathered = torch.empty((shape.m, shape.k), dtype=dtype, device=device)
+
+    def compute_bound() -> None:
+        for b, out in zip(bs, outs):
+            torch.mm(a_full, b, out=out)
+
+    def comm_bound() -> None:
+        dist.all_gather_into_tensor(a_gathered, a_shard, group=group)
+
+    def run(strategy: str) -> Any:
+        return asynctp.all_gather_matmul(a_shard, bs, 0, group, strategy=strategy)
+
+    def torch_fused() -> Any:
+        return call_torch_symm("fused_all_gather_matmul", group.group_name, device, a_shard, bs, 0, group.group_name)
+
+    return Problem(
+        op="all_gather_matmul",
+        shape_key=(dtype_name(dtype), shape.m, shape.n, shape.k),
+        workspace_bytes=2 * shape.m * shape.k * dtype.itemsize,
+        compute_bound=compute_bound,
+        comm_bound=comm_bound,
+        asynctp=run,
+        torch_fused=torch_fused,
+        check=_check_gather,
+    )
+
+
+@register("matmul_reduce_scatter", "scatter")
+def _matmul_reduce_scatter(shape: Shape, dtype: torch.dtype, group: dist.ProcessGroup,
+                           device: torch.device, seed: int) -> Problem:
+    world = group.size()
+    gen = _generator(device, seed, group.rank())
+    a = randn((shape.m, shape.n), dtype, device, gen)  # [M, N]
+    b = randn((shape.n, shape.k), dtype, device, gen, scale=shape.n**-0.5)  # [N, K]
+    partial = randn((shape.m, shape.k), dtype, device, gen)  # [M, K]: the comm bound's input
+    product = torch.empty((shape.m, shape.k), dtype=dtype, device=device)
+    out_shard = torch.empty((shape.m // world, shape.k), dtype=dtype, device=device)
+
+    def compute_bound() -> None:
+        torch.mm(a, b, out=product)
+
+    def comm_bound() -> None:
+        dist.reduce_scatter_tensor(out_shard, partial, op=dist.ReduceOp.SUM, group=group)
+
+    def run(strategy: str) -> Any:
+        return asynctp.matmul_reduce_scatter(a, b, 0, group, strategy=strategy)
+
+    def torch_fused() -> Any:
+        return call_torch_symm("fused_matmul_reduce_scatter", group.group_name, device, a, b, "sum", 0, group.group_name)
+
+    return Problem(
+        op="matmul_reduce_scatter",
+        # the op's own naming: b is its [K_op, N_op] = [N, K] of this file's legend
+        shape_key=(dtype_name(dtype), shape.m, shape.k, shape.n),
+        workspace_bytes=2 * shape.m * shape.k * dtype.itemsize,
+        compute_bound=compute_bound,
+        comm_bound=comm_bound,
+        asynctp=run,
+        torch_fused=torch_fused,
+        check=_check_scatter,
+    )

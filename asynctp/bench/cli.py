@@ -1,0 +1,87 @@
+"""`asynctp bench`: its options, and the run they describe."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from asynctp.bench.cases import CASES
+from asynctp.bench.measure import DTYPES, BenchConfig
+from asynctp.bench.shapes import SHAPE_SETS, expand_sets
+
+__all__ = ["add_arguments", "run", "config_from_args", "command_of"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", default="all", choices=[*CASES, "all"],
+                        help="which op to time (all: every op this installation has)")
+    parser.add_argument("--shapes", default=None, choices=[*SHAPE_SETS, "all"],
+                        help="shape set (all: seed, llama8b, llama70b, small); default seed, tiny without GPUs")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per variant (median reported)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed calls before them")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to spawn (default: one per local GPU, 2 CPU ranks without GPUs)")
+    parser.add_argument("--out", default="benchmarks/results",
+                        help="directory for <op>_<hardware>_<date>.json/.md/.png and README.md ('' for none)")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graphed variants")
+    parser.add_argument("--tune", action="store_true",
+                        help="record the fastest eager strategy per shape in asynctp's tuning cache, then time auto")
+    parser.add_argument("--hardware", default=None, help="results file tag (default e.g. 2xH200)")
+    parser.add_argument("--readme", action="store_true", help="only regenerate <out>/README.md from its JSON files")
+
+
+def _has_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run, options spelled out."""
+    parts = ["asynctp", "bench", "--op", args.op, "--shapes", args.shapes or ("seed" if _has_gpus() else "tiny"),
+             "--dtype", args.dtype, "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    if args.nproc is not None:
+        parts += ["--nproc", str(args.nproc)]
+    parts += [flag for flag, on in (("--no-graph", args.no_graph), ("--tune", args.tune)) if on]
+    if args.hardware:
+        parts += ["--hardware", args.hardware]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        parts = ["torchrun", f"--nproc-per-node={os.environ['WORLD_SIZE']}", "-m", "asynctp.cli", *parts[1:]]
+    return shlex.join(parts)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The run's BenchConfig (ValueError for inconsistent options)."""
+    shapes = args.shapes or ("seed" if _has_gpus() else "tiny")
+    if args.iters < 1:
+        raise ValueError(f"--iters requires a positive count, got {args.iters}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup requires a non-negative count, got {args.warmup}")
+    ops = tuple(CASES) if args.op == "all" else (args.op,)
+    return BenchConfig(
+        ops=ops, shape_sets=expand_sets(shapes), dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+        graph=not args.no_graph, tune=args.tune, hardware=args.hardware, command=command_of(args),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.readme:
+        from asynctp.bench.report import write_readme
+
+        if not args.out:
+            print("asynctp bench --readme requires --out DIR, got ''", file=sys.stderr)
+            return 2
+        print(f"wrote {write_readme(args.out)}")
+        return 0
+    from asynctp.bench.launch import launch, plan
+
+    try:
+        cfg = config_from_args(args)
+        how = plan(args.nproc)
+    except ValueError as exc:
+        print(f"asynctp bench: {exc}", file=sys.stderr)
+        return 2
+    return launch(cfg, how, args.out or None)

@@ -1,0 +1,263 @@
+"""One benchmark run on every rank: per op and shape, check results, then time every variant.
+
+Per row, in this order (every rank runs every step; failures are agreed over the group first,
+so no rank ever waits in a collective that another rank skipped):
+
+    1. serial's result is the reference; every asynctp strategy must match it (a_gathered
+       exactly, outputs within the dtype's tolerance), else the row is reported failed
+    2. compute bound, comm bound, serial, each pipelined strategy (eager)
+    3. torch.ops.symm_mem's fused op, eager and CUDA-graphed, where this torch can run it
+    4. --tune: the fastest eager strategy goes into asynctp's tuning cache (rank 0 decides)
+    5. asynctp "auto", eager and CUDA-graphed (after asynctp.reserve)
+
+Times are the slowest rank's median, in microseconds (timing.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import asynctp
+from asynctp.bench import report
+from asynctp.bench.cases import CASES, OpCase, Problem
+from asynctp.bench.report import AUTO, AUTO_GRAPH, COMM, COMPUTE, SERIAL, TORCH, TORCH_GRAPH
+from asynctp.bench.shapes import Shape, shapes_for
+from asynctp.bench.timing import capture_graph, synchronize, time_us
+
+__all__ = ["BenchConfig", "DTYPES", "pipelined_strategies", "variant", "environment", "measure_shape", "run_benchmark"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What one `asynctp bench` run measures; identical on every rank."""
+
+    ops: tuple[str, ...]  # registry names (cases.CASES)
+    shape_sets: tuple[str, ...]  # shapes.SHAPE_SETS names
+    dtype: str = "bfloat16"  # a DTYPES key: the matmul inputs (fp8 ops: the output dtype)
+    iters: int = 50  # timed calls per variant (the median is reported)
+    warmup: int = 10  # untimed calls before them
+    graph: bool = True  # also time CUDA-graphed variants (CUDA only)
+    tune: bool = False  # record the fastest eager strategy per shape in the tuning cache
+    hardware: str | None = None  # results file tag; None: "<world size>x<GPU name>"
+    command: str = ""  # the command line, stored in every row
+    seed: int = 0  # input values (every rank draws its own from seed and rank)
+
+    def __post_init__(self) -> None:
+        unknown = [op for op in self.ops if op not in CASES]
+        if not self.ops or unknown:
+            raise ValueError(f"ops requires names from {sorted(CASES)}, got {list(self.ops)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype requires one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.iters < 1:
+            raise ValueError(f"iters requires at least 1, got {self.iters}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup requires a non-negative count, got {self.warmup}")
+
+
+def pipelined_strategies() -> list[str]:
+    """Every asynctp strategy other than "auto" and "serial" (new ones appear here by themselves)."""
+    from asynctp.ops.validate import STRATEGIES
+
+    return [s for s in STRATEGIES if s not in ("auto", "serial")]
+
+
+def variant(strategy: str) -> str:
+    """The times_us key of an eager asynctp strategy."""
+    return SERIAL if strategy == "serial" else f"asynctp_{strategy}"
+
+
+def environment(group: dist.ProcessGroup, device: torch.device, hardware: str | None) -> dict[str, Any]:
+    """What every row records about where it ran."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "world_size": group.size(),
+        "device": name,
+        "hardware": hardware or report.default_hardware(name, group.size()),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "date": report.today(),
+    }
+
+
+def _describe(exc: BaseException, limit: int = 240) -> str:
+    """"Type: first sentence of the message", short enough for a table note."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if len(text) > limit and ". " in text:
+        text = text[: text.index(". ") + 1]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def _agree(group: dist.ProcessGroup, problem: str | None) -> str | None:
+    """Every rank learns whether any rank failed (the first failing rank's message)."""
+    everyone: list[Any] = [None] * group.size()
+    dist.all_gather_object(everyone, problem, group=group)
+    for rank, p in enumerate(everyone):
+        if p is not None:
+            return f"rank {rank}: {p}"
+    return None
+
+
+def _attempt(fn: Callable[[], Any], want: Any, check: Callable[[Any, Any], None]) -> str | None:
+    """None if fn runs and its result passes check against want, else why not."""
+    try:
+        check(fn(), want)
+    except Exception as exc:  # noqa: BLE001 - any failure is reported in the row
+        return _describe(exc)
+    return None
+
+
+def _check_strategies(problem: Problem, want: Any, strategies: list[str]) -> str | None:
+    """The first strategy whose result differs from want. Every strategy runs even after a
+    failure: the other ranks are running them too, and their collectives need this rank."""
+    failure = None
+    for strategy in strategies:
+        problem_here = _attempt(lambda: problem.asynctp(strategy), want, problem.check)
+        if failure is None and problem_here is not None:
+            failure = f"strategy {strategy!r}: {problem_here}"
+    return failure
+
+
+class _Row:
+    """The measurements of one row as they are taken (collective methods)."""
+
+    def __init__(self, problem: Problem, cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device):
+        self.problem, self.cfg, self.group, self.device = problem, cfg, group, device
+        self.times: dict[str, float] = {}
+        self.skipped: dict[str, str] = {}
+
+    def time(self, key: str, fn: Callable[[], Any]) -> None:
+        self.times[key] = time_us(fn, self.cfg.iters, self.cfg.warmup, self.group, self.device)
+
+    def graphed(self, key: str, fn: Callable[[], Any], want: Any) -> None:
+        """Time fn captured in a CUDA graph, after checking what a replay computes."""
+        if self.device.type != "cuda":
+            self.skipped[key] = "CUDA graphs need a CUDA device"
+            return
+        if not self.cfg.graph:
+            self.skipped[key] = "--no-graph"
+            return
+        replay, outputs, problem = None, None, None
+        try:
+            replay, outputs = capture_graph(fn, self.device)
+            replay()
+            synchronize(self.device)
+            self.problem.check(outputs, want)
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            problem = f"graph: {_describe(exc)}"
+        problem = _agree(self.group, problem)
+        if problem is not None:
+            self.skipped[key] = problem
+            return
+        self.time(key, replay)
+
+
+def _tune(row: _Row, world_size: int) -> str:
+    """Record the fastest measured eager strategy for this shape; rank 0 decides for all."""
+    from asynctp.ops import tuning
+
+    candidates = ["serial", *pipelined_strategies()]
+    best = [min(candidates, key=lambda s: row.times.get(variant(s), float("inf")))]
+    dist.broadcast_object_list(best, src=dist.get_global_rank(row.group, 0), group=row.group)
+    tuning.record(row.problem.op, world_size, row.device, row.problem.shape_key, best[0])
+    return best[0]
+
+
+def _auto_choice(problem: Problem, group: dist.ProcessGroup, device: torch.device) -> str:
+    """What strategy="auto" runs for this problem: the op's own choice (tuning cache or rule)."""
+    from asynctp.ops.strategy import choose
+
+    return choose(problem.op, "auto", group, device, problem.shape_key)[0]
+
+
+def _header(case: OpCase, shape: Shape, cfg: BenchConfig, env: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "op": case.name, "shape_set": shape.shape_set, "layer": shape.layer, "shape": shape.dims,
+        "m": shape.m, "n": shape.n, "k": shape.k, "num_bs": shape.num_bs, "dtype": cfg.dtype,
+        **env, "command": cfg.command, "iters": cfg.iters, "warmup": cfg.warmup, "tuned": cfg.tune,
+        "times_us": {}, "skipped": {}, "bound_us": None, "efficiency": {},
+        "auto_strategy": None, "tuned_strategy": None, "auto_vs_serial": None, "error": None,
+    }
+
+
+def measure_shape(
+    case: OpCase, shape: Shape, cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device,
+    env: dict[str, Any],
+) -> dict[str, Any]:
+    """One result row (collective: every rank calls it with the same arguments)."""
+    out = _header(case, shape, cfg, env)
+    problem = case.build(shape, DTYPES[cfg.dtype], group, device, cfg.seed)
+    want = problem.asynctp("serial")
+    strategies = pipelined_strategies()
+    failure = _agree(group, _check_strategies(problem, want, [*strategies, "auto"]))
+    if failure is not None:
+        out["error"] = f"results differ from serial, row not timed: {failure}"
+        return out
+
+    row = _Row(problem, cfg, group, device)
+    row.time(COMPUTE, problem.compute_bound)
+    row.time(COMM, problem.comm_bound)
+    for strategy in ["serial", *strategies]:
+        row.time(variant(strategy), lambda: problem.asynctp(strategy))
+
+    torch_failure = _agree(group, _attempt(problem.torch_fused, want, problem.check))
+    if torch_failure is None:
+        row.time(TORCH, problem.torch_fused)
+        row.graphed(TORCH_GRAPH, problem.torch_fused, want)
+    else:
+        row.skipped[TORCH] = row.skipped[TORCH_GRAPH] = torch_failure
+
+    if cfg.tune:
+        out["tuned_strategy"] = _tune(row, group.size())
+    auto_failure = _agree(group, _attempt(lambda: problem.asynctp("auto"), want, problem.check))
+    if auto_failure is not None:  # only after tuning switched auto to another strategy
+        out["error"] = f"auto differs from serial after tuning: {auto_failure}"
+    else:
+        row.time(AUTO, lambda: problem.asynctp("auto"))
+        asynctp.reserve(group, problem.workspace_bytes, device)
+        row.graphed(AUTO_GRAPH, lambda: problem.asynctp("auto"), want)
+    out["auto_strategy"] = _auto_choice(problem, group, device)
+    out["times_us"], out["skipped"] = row.times, row.skipped
+    report.derive(out)
+    return out
+
+
+def run_benchmark(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> list[dict[str, Any]]:
+    """Every row of the run (collective); rank 0 prints each as it completes."""
+    env = environment(group, device, cfg.hardware)
+    chatty = group.rank() == 0
+    rows = []
+    for name in cfg.ops:
+        case = CASES[name]
+        reason = case.requires()
+        if reason is not None:
+            if chatty:
+                print(f"asynctp bench: skipping {name}: {reason}", file=sys.stderr, flush=True)
+            continue
+        for set_name in cfg.shape_sets:
+            for shape in shapes_for(set_name, case.kind, group.size()):
+                row = measure_shape(case, shape, cfg, group, device, env)
+                rows.append(row)
+                if chatty:
+                    stream = sys.stderr if row["error"] else sys.stdout
+                    print(report.progress_line(row), file=stream, flush=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows

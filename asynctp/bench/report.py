@@ -1,0 +1,296 @@
+"""The results record: row fields derived from the times, tables (stdout, markdown), result files,
+and benchmarks/results/README.md regenerated from the JSON files.
+
+A row (one op, shape set, shape and dtype) is a JSON object; its "times_us" maps variant ->
+the slowest rank's median time in microseconds:
+
+    compute_bound       the full local matmul alone      comm_bound   the collective alone
+    serial              asynctp strategy="serial" (NCCL/gloo collective, then cuBLAS/CPU matmul)
+    torch_fused(_graph) torch.ops.symm_mem's fused op, eager (and CUDA-graphed)
+    asynctp_<strategy>  each pipelined strategy, eager
+    asynctp_auto(_graph) strategy="auto", eager (and CUDA-graphed)
+
+A variant that could not run has its reason under "skipped" instead. Efficiency of a variant is
+max(compute_bound, comm_bound) / its time; auto_vs_serial is serial's time / auto's time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COMPUTE", "COMM", "SERIAL", "TORCH", "TORCH_GRAPH", "AUTO", "AUTO_GRAPH",
+    "today", "default_hardware", "derive", "columns", "format_table", "progress_line",
+    "results_stem", "merge_rows", "write_results", "markdown", "target_notes", "write_readme",
+]
+
+COMPUTE, COMM, SERIAL = "compute_bound", "comm_bound", "serial"
+TORCH, TORCH_GRAPH = "torch_fused", "torch_fused_graph"
+AUTO, AUTO_GRAPH = "asynctp_auto", "asynctp_auto_graph"
+
+_HEADINGS = {
+    COMPUTE: "mm only", COMM: "comm only", SERIAL: "serial", TORCH: "torch fused",
+    TORCH_GRAPH: "torch fused graph", AUTO: "asynctp auto", AUTO_GRAPH: "asynctp auto graph",
+}
+_README_COMMAND = "asynctp bench --readme --out benchmarks/results"
+
+
+def today() -> str:
+    """The UTC date, yyyy-mm-dd (results files are named by it)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def default_hardware(device_name: str, world_size: int) -> str:
+    """"2xH200" for two "NVIDIA H200"; "2xcpu" for CPU ranks. Safe in a file name."""
+    name = device_name.removeprefix("NVIDIA").strip()
+    token = re.split(r"[\s_-]+", name)[0] if name else "cpu"
+    token = re.sub(r"[^A-Za-z0-9.]+", "", token) or "device"
+    return f"{world_size}x{token}"
+
+
+def derive(row: dict[str, Any]) -> dict[str, Any]:
+    """Fill the row's bound_us, efficiency and auto_vs_serial from its times (in place)."""
+    times = row["times_us"]
+    if COMPUTE in times and COMM in times:
+        row["bound_us"] = max(times[COMPUTE], times[COMM])
+        row["efficiency"] = {
+            k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM) and t > 0
+        }
+    if SERIAL in times and times.get(AUTO):
+        row["auto_vs_serial"] = times[SERIAL] / times[AUTO]
+    return row
+
+
+def columns(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """The time columns present in rows, in a fixed order (pipelined strategies in the middle)."""
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in [*row["times_us"], *row["skipped"]] if k not in keys]
+    fixed_head = [COMPUTE, COMM, SERIAL, TORCH, TORCH_GRAPH]
+    fixed_tail = [AUTO, AUTO_GRAPH]
+    middle = [k for k in keys if k not in fixed_head + fixed_tail]
+    return [k for k in fixed_head if k in keys] + middle + [k for k in fixed_tail if k in keys]
+
+
+def _heading(key: str) -> str:
+    return _HEADINGS.get(key, key.replace("asynctp_", "asynctp ").replace("_", " "))
+
+
+def _us(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _cells(row: dict[str, Any], keys: list[str]) -> list[str]:
+    if row.get("error"):
+        return [row["shape_set"], _label(row), *["-"] * (len(keys) + 3), "FAILED"]
+    eff = row["efficiency"]
+    return [
+        row["shape_set"], _label(row), *[_us(row["times_us"].get(k)) for k in keys],
+        _ratio(eff.get(AUTO)), _ratio(eff.get(AUTO_GRAPH)), _ratio(row.get("auto_vs_serial")),
+        (row.get("auto_strategy") or "-") + (" (tuned)" if row.get("tuned_strategy") else ""),
+    ]
+
+
+def _label(row: dict[str, Any]) -> str:
+    label = f"{row['layer']} {row['shape']}" if row.get("layer") else row["shape"]
+    return label + (f" ({row['num_bs']} bs)" if row.get("num_bs", 1) > 1 else "")
+
+
+def _header(keys: list[str]) -> list[str]:
+    return ["set", "M x N x K", *[_heading(k) for k in keys], "eff auto", "eff auto graph",
+            "serial / auto", "auto picks"]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table per op (times in microseconds), for the terminal."""
+    blocks = []
+    for op, op_rows in _by(rows, "op").items():
+        keys = columns(op_rows)
+        table = [_header(keys)] + [_cells(r, keys) for r in op_rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)).rstrip() for line in table]
+        blocks.append(f"{op} ({op_rows[0]['dtype']}, {op_rows[0]['hardware']}, times in us)\n" + "\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """One line per finished row while the run goes on."""
+    head = f"{row['op']} {row['shape_set']} {_label(row)} {row['dtype']}"
+    if row.get("error"):
+        return f"FAILED {head}: {row['error']}"
+    t = row["times_us"]
+    return (f"{head}: auto {_us(t.get(AUTO))} us ({row.get('auto_strategy')}), serial {_us(t.get(SERIAL))} us, "
+            f"bound {_us(row.get('bound_us'))} us, efficiency {_ratio(row['efficiency'].get(AUTO))}")
+
+
+def _by(rows: Iterable[dict[str, Any]], *fields: str) -> dict[Any, list[dict[str, Any]]]:
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = row[fields[0]] if len(fields) == 1 else tuple(row[f] for f in fields)
+        groups.setdefault(key, []).append(row)
+    return groups
+
+
+def results_stem(op: str, hardware: str, date: str) -> str:
+    """`<op>_<hardware>_<yyyy-mm-dd>`: the name of a run's .json / .md / .png."""
+    return f"{op}_{hardware}_{date}"
+
+
+def _row_key(row: dict[str, Any]) -> tuple:
+    return (row["shape_set"], row["layer"], row["shape"], row["num_bs"], row["dtype"])
+
+
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """old with every row that new measures again replaced in place; new's other rows appended
+    (so one day's runs of several shape sets end up in one file)."""
+    fresh = {_row_key(r): r for r in new}
+    merged = [fresh.pop(_row_key(r), r) for r in old]
+    return merged + [r for r in new if _row_key(r) in fresh]
+
+
+def write_results(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
+    """Write (merging with the same day's file) <stem>.json, .md and .png per op; regenerate
+    the directory's README.md. Returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for (op, hardware, date), group in _by(rows, "op", "hardware", "date").items():
+        stem = out / results_stem(op, hardware, date)
+        path = stem.with_suffix(".json")
+        old = json.loads(path.read_text())["rows"] if path.exists() else []
+        merged = merge_rows(old, group)
+        path.write_text(json.dumps({"rows": merged}, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(markdown(merged, title=True))
+        written += [path, stem.with_suffix(".md")]
+        from asynctp.bench.plot import plot_efficiency
+
+        png = plot_efficiency(merged, stem.with_suffix(".png"))
+        if png is not None:
+            written.append(png)
+    written.append(write_readme(out))
+    return written
+
+
+def _md_table(rows: list[dict[str, Any]]) -> list[str]:
+    keys = columns(rows)
+    header = _header(keys)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cells(r, keys)) + " |" for r in rows]
+    return lines
+
+
+def _unique(rows: list[dict[str, Any]], field: str) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        if r.get(field) is not None and str(r[field]) not in seen:
+            seen.append(str(r[field]))
+    return seen
+
+
+def markdown(rows: list[dict[str, Any]], title: bool = False) -> str:
+    """One op's rows as markdown: where they ran, the table, why any variant is missing."""
+    first = rows[0]
+    lines = [f"# {first['op']} on {first['hardware']}", ""] if title else []
+    lines += [
+        f"{first['world_size']} x {first['device']}, {first['dtype']}, torch {', '.join(_unique(rows, 'torch'))}, "
+        f"triton {', '.join(_unique(rows, 'triton')) or 'none'}, measured {', '.join(_unique(rows, 'date'))}, "
+        f"median of {', '.join(_unique(rows, 'iters'))} iterations, slowest rank. Times in microseconds.",
+        "",
+        *[f"    {c}" for c in _unique(rows, "command")],
+        "",
+        *_md_table(rows),
+        "",
+    ]
+    notes = sorted({f"{_heading(k)}: {v}" for r in rows for k, v in r["skipped"].items()})
+    notes += [f"{r['shape_set']} {_label(r)}: {r['error']}" for r in rows if r.get("error")]
+    if notes:
+        lines += ["Not measured:", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(lines)
+
+
+def target_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 3's targets, checked against one op's rows (a line each, met or not)."""
+    ok = [r for r in rows if not r.get("error") and r["times_us"].get(AUTO)]
+    notes = []
+    big = [r for r in ok if r["shape_set"] == "seed" and r["m"] in (4096, 8192)]
+    if big:
+        effs = ", ".join(f"{r['m']}: {r['efficiency'].get(AUTO, 0):.2f}" for r in big)
+        met = all(r["efficiency"].get(AUTO, 0) >= 0.92 for r in big)
+        notes.append(f"{'met' if met else 'NOT met'}: eager auto efficiency >= 0.92 at seed M 4096/8192 ({effs})")
+    seed = [r for r in ok if r["shape_set"] == "seed"]
+    torch_best = [(r, min(v for k, v in r["times_us"].items() if k in (TORCH, TORCH_GRAPH)))
+                  for r in seed if TORCH in r["times_us"]]
+    if torch_best:
+        slower = [f"{r['m']}: {r['times_us'][AUTO]:.0f} vs {t:.0f} us" for r, t in torch_best if r["times_us"][AUTO] > t]
+        notes.append("met: eager auto faster than torch's fused op (best of eager, graph) at every seed shape"
+                     if not slower else f"NOT met: eager auto slower than torch's best at seed M {'; '.join(slower)}")
+    ratios = [(r, r["auto_vs_serial"]) for r in ok if r.get("auto_vs_serial") is not None]
+    if ratios:
+        worst_row, worst = min(ratios, key=lambda x: x[1])
+        notes.append(f"{'met' if worst >= 0.98 else 'NOT met'}: serial / auto >= 0.98 at every shape "
+                     f"(lowest {worst:.2f}, {worst_row['shape_set']} {_label(worst_row)})")
+    graphed = [r for r in ok if r["times_us"].get(AUTO_GRAPH)]
+    if graphed:
+        slower_g = [f"{r['shape_set']} {_label(r)}" for r in graphed if r["times_us"][AUTO_GRAPH] > r["times_us"][AUTO]]
+        notes.append("met: graphed auto at least as fast as eager at every shape" if not slower_g
+                     else f"NOT met: graphed auto slower than eager at {', '.join(slower_g)}")
+    return notes
+
+
+def _latest_runs(out: Path) -> dict[tuple[str, str], tuple[Path, list[dict[str, Any]]]]:
+    """(op, hardware) -> the newest results file and its rows."""
+    latest: dict[tuple[str, str], tuple[Path, list[dict[str, Any]]]] = {}
+    for path in sorted(out.glob("*.json")):
+        try:
+            rows = json.loads(path.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not rows:
+            continue
+        key = (rows[0]["op"], rows[0]["hardware"])
+        if key not in latest or rows[0]["date"] >= latest[key][1][0]["date"]:
+            latest[key] = (path, rows)
+    return latest
+
+
+def write_readme(out_dir: str | Path) -> Path:
+    """Regenerate <out_dir>/README.md: the newest table per op and hardware (GPUs before CPU)."""
+    out = Path(out_dir)
+    latest = _latest_runs(out)
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `asynctp bench` from the JSON files in this directory (regenerate with",
+        f"`{_README_COMMAND}`). Per op, the newest run on each hardware. Rows \"M x N x K\" are per",
+        "rank: all-gather rows gather a [M/R, K] shard on dim 0 and multiply by b [K, N]; reduce-scatter",
+        "rows multiply a [M, N] by b [N, K] and reduce-scatter the [M, K] product on dim 0.",
+        "Efficiency = max(mm only, comm only) / time; serial / auto > 1 means auto is faster.",
+        "",
+    ]
+    if not latest:
+        lines += ["No results yet. On a machine with GPUs, run:", "", "    asynctp bench --op all --shapes all", ""]
+    ordered = sorted(latest, key=lambda k: (k[1].endswith("xcpu"), k[0], k[1]))
+    for op, hardware in ordered:
+        path, rows = latest[(op, hardware)]
+        lines += [f"## {op} on {hardware}", "", markdown(rows).rstrip(), ""]
+        notes = target_notes(rows)
+        if notes:
+            lines += ["Issue 3 targets:", "", *[f"- {n}" for n in notes], ""]
+        png = path.with_suffix(".png")
+        if png.exists():
+            lines += [f"![efficiency per shape]({png.name})", ""]
+        lines += [f"Data: [{path.name}]({path.name})", ""]
+    readme = out / "README.md"
+    readme.write_text("\n".join(lines))
+    return readme

@@ -1,0 +1,136 @@
+"""tests/dist: `asynctp bench` on gloo CPU ranks (tiny shapes, 1-2 iterations): the same code
+paths as a GPU run, minus CUDA events and graphs. Rank-side bodies first, then the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from asynctp.bench import cases
+from asynctp.bench.measure import BenchConfig, pipelined_strategies, run_benchmark
+
+DEVICE = torch.device("cpu")
+
+
+def _config(**kw) -> BenchConfig:
+    base = dict(ops=tuple(cases.CASES), shape_sets=("tiny",), iters=2, warmup=1, command="pytest")
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def _use_cache(path: str) -> None:
+    from asynctp.ops import tuning
+
+    os.environ["ASYNCTP_TUNING_CACHE"] = path
+    tuning._table = None  # forget any cache loaded from another path by an earlier test
+    getattr(tuning, "_picked", {}).clear()
+
+
+def bench_all_ops(cache: str) -> list[dict]:
+    _use_cache(cache)
+    return run_benchmark(_config(), dist.group.WORLD, DEVICE)
+
+
+def bench_tuned(cache: str) -> list[dict]:
+    _use_cache(cache)
+    return run_benchmark(_config(ops=("matmul_reduce_scatter",), tune=True, iters=1, warmup=0), dist.group.WORLD, DEVICE)
+
+
+def _wrong_pipeline(shape, dtype, group, device, seed):
+    """all_gather_matmul whose pipelined result is off by one on rank 1 only."""
+    problem = cases.CASES["all_gather_matmul"].build(shape, dtype, group, device, seed)
+    real = problem.asynctp
+
+    def run(strategy):
+        a_gathered, outs = real(strategy)
+        if strategy == "pipeline" and group.rank() == 1:
+            outs = [o + 1 for o in outs]
+        return a_gathered, outs
+
+    problem.asynctp = run
+    return problem
+
+
+def bench_with_wrong_results() -> list[dict]:
+    cases.register("_wrong_pipeline_for_test", "gather")(_wrong_pipeline)
+    try:
+        cfg = _config(ops=("_wrong_pipeline_for_test", "matmul_reduce_scatter"), iters=1, warmup=0)
+        return run_benchmark(cfg, dist.group.WORLD, DEVICE)
+    finally:
+        del cases.CASES["_wrong_pipeline_for_test"]
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+_ROW_KEYS = {
+    "op", "shape_set", "layer", "shape", "m", "n", "k", "num_bs", "dtype", "world_size", "device", "hardware",
+    "torch", "triton", "date", "command", "iters", "warmup", "tuned", "times_us", "skipped", "bound_us",
+    "efficiency", "auto_strategy", "tuned_strategy", "auto_vs_serial", "error",
+}
+
+
+def test_rows_have_every_time_and_reason(pool, tmp_path):
+    per_rank = pool.run(bench_all_ops, str(tmp_path / "tuning.json"))
+    rows = per_rank[0]
+    world = pool.world_size
+    assert [(r["op"], r["shape"]) for r in rows] == [
+        ("all_gather_matmul", "96x48x32"), ("all_gather_matmul", "192x48x32"),
+        ("matmul_reduce_scatter", "96x48x32"), ("matmul_reduce_scatter", "192x48x32"),
+    ]
+    timed = {"compute_bound", "comm_bound", "serial", "asynctp_auto"} | {f"asynctp_{s}" for s in pipelined_strategies()}
+    for row in rows:
+        assert set(row) == _ROW_KEYS and row["error"] is None
+        assert row["world_size"] == world and row["hardware"] == f"{world}xcpu" and row["device"] == "cpu"
+        assert row["torch"] == torch.__version__ and row["command"] == "pytest" and row["dtype"] == "bfloat16"
+        assert set(row["times_us"]) == timed and all(t > 0 for t in row["times_us"].values())
+        # torch's fused ops have CUDA kernels only; graphs need CUDA: reasons, not times
+        assert set(row["skipped"]) == {"torch_fused", "torch_fused_graph", "asynctp_auto_graph"}
+        assert "CPU" in row["skipped"]["torch_fused"]
+        assert row["bound_us"] == max(row["times_us"]["compute_bound"], row["times_us"]["comm_bound"])
+        assert row["efficiency"]["asynctp_auto"] == row["bound_us"] / row["times_us"]["asynctp_auto"]
+        assert row["auto_strategy"] == "pipeline"  # the cpu backend always pipelines
+    assert rows[1]["num_bs"] == 2
+    # times are maxima over ranks: every rank holds the same numbers
+    for other in per_rank[1:]:
+        assert [r["times_us"] for r in other] == [r["times_us"] for r in rows]
+
+
+def test_tune_records_the_same_choice_on_every_rank(pool, tmp_path):
+    cache = tmp_path / "tuning.json"
+    per_rank = pool.run(bench_tuned, str(cache))
+    choices = [[r["tuned_strategy"] for r in rows] for rows in per_rank]
+    assert all(c == choices[0] for c in choices)
+    assert all(c in ("serial", *pipelined_strategies()) for c in choices[0])
+    table = json.loads(cache.read_text())
+    for row, choice in zip(per_rank[0], choices[0]):
+        key = f"matmul_reduce_scatter|cpu|R{pool.world_size}|bfloat16|{row['m']}|{row['k']}|{row['n']}"
+        assert table[key] == choice
+        assert row["tuned"] and row["times_us"]["asynctp_auto"] > 0
+
+
+def test_a_wrong_result_fails_its_row_loudly_and_the_run_goes_on(pool):
+    rows = pool.run(bench_with_wrong_results)[0]
+    wrong = [r for r in rows if r["op"] == "_wrong_pipeline_for_test"]
+    assert len(wrong) == 2
+    for row in wrong:
+        assert "results differ from serial" in row["error"] and "rank 1" in row["error"]
+        assert "strategy 'pipeline'" in row["error"] and row["times_us"] == {}
+    assert all(r["error"] is None and r["times_us"] for r in rows if r["op"] == "matmul_reduce_scatter")
+
+
+def test_cli_spawns_ranks_and_writes_results(tmp_path, monkeypatch):
+    """The whole command: 2 spawned gloo ranks, table on stdout, JSON/markdown/README on disk."""
+    from asynctp.cli import main
+
+    monkeypatch.setenv("ASYNCTP_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    code = main(["bench", "--op", "all_gather_matmul", "--shapes", "tiny", "--iters", "1", "--warmup", "0",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    (path,) = tmp_path.glob("all_gather_matmul_2xcpu_*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 2 and rows[0]["command"].startswith("asynctp bench --op all_gather_matmul --shapes tiny")
+    assert path.with_suffix(".md").exists()
+    assert "all_gather_matmul on 2xcpu" in (tmp_path / "README.md").read_text()
