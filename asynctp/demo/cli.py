@@ -1,0 +1,228 @@
+"""`asynctp demo`: train the Llama-style model with vanilla sequence-parallel TP and with asynctp,
+side by side, on every local GPU (NCCL, one process per GPU) or on 2 CPU processes (gloo)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import traceback
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+_LR = {"tiny": 3e-3, "small": 1e-3, "8b-block": 3e-4}
+_CPU_WORLD = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=["tiny", "small", "8b-block"], default=None,
+                        help="model size (default: 8b-block with >= 2 GPUs, tiny on CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 200 on GPU, 30 on CPU)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="parameter and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--float8", choices=["none", "rowwise", "tensorwise"], default="none",
+                        help="fp8 recipe of asynctp's matmuls (vanilla TP stays in --dtype)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--torch-async-tp", action="store_true",
+                        help="add a third run: vanilla TP compiled with inductor's own async-TP pass (GPU only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
+    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: per model size)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="use 2 CPU processes (gloo) even when GPUs are present")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON and PNG go")
+
+
+def run(args: argparse.Namespace) -> int:
+    num_gpus = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
+    on_gpu = num_gpus >= 2
+    if on_gpu:
+        world, backend, device_type = num_gpus, "nccl", "cuda"
+    else:
+        world, backend, device_type = _CPU_WORLD, "gloo", "cpu"
+        if num_gpus == 1:
+            print("asynctp demo: one GPU is not tensor parallelism; running on 2 CPU processes (gloo)")
+        if args.profile or args.torch_async_tp:
+            flag = "--profile" if args.profile else "--torch-async-tp"
+            print(f"asynctp demo: {flag} requires >= 2 GPUs, got {num_gpus}", file=sys.stderr)
+            return 2
+    model_name = args.model or ("8b-block" if on_gpu else "tiny")
+    from asynctp.demo.model import SIZES
+    from asynctp.demo.train import VARIANTS, TrainSettings
+
+    cfg = SIZES[model_name]
+    try:
+        cfg.check_tp(world)
+    except ValueError as exc:
+        print(f"asynctp demo: --model {model_name}: {exc}", file=sys.stderr)
+        return 2
+    settings = TrainSettings(
+        cfg=cfg,
+        steps=args.steps if args.steps is not None else (200 if on_gpu else 30),
+        dtype=_DTYPES[args.dtype or ("bfloat16" if on_gpu else "float32")],
+        lr=args.lr if args.lr is not None else _LR[model_name],
+        seed=args.seed,
+        float8=None if args.float8 == "none" else args.float8,
+        compile=args.compile,
+        profile_steps=5 if args.profile else 0,
+    )
+    if settings.steps < 1:
+        print(f"asynctp demo: --steps requires a positive number, got {settings.steps}", file=sys.stderr)
+        return 2
+    variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]] + ([VARIANTS["torch-async-tp"]] if args.torch_async_tp else [])
+    print(f"asynctp demo: model {model_name} ({cfg.num_params() / 1e6:.1f}M params), {world} ranks over "
+          f"{backend} on {device_type}, {settings.steps} steps, {str(settings.dtype).removeprefix('torch.')}"
+          + (f", float8 {settings.float8}" if settings.float8 else "") + (", compiled" if settings.compile else ""))
+    runs = _launch(world, backend, device_type, settings, variants)
+    if runs is None:
+        return 1
+    _report(args, runs, settings, model_name, world, backend, device_type)
+    return 0
+
+
+def _launch(world: int, backend: str, device_type: str, settings: Any, variants: list) -> list[dict] | None:
+    ctx = mp.get_context("spawn")
+    fd, store = tempfile.mkstemp(prefix="asynctp-demo-store-")
+    os.close(fd)
+    os.unlink(store)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, backend, device_type, f"file://{store}", settings, variants, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    runs, failure = None, None
+    try:
+        while runs is None and failure is None:
+            try:
+                ok, payload = results.get(timeout=1.0)
+                runs, failure = (payload, None) if ok else (None, payload)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
+                if dead:
+                    failure = f"rank {dead[0][0]} exited with code {dead[0][1]}"
+    finally:
+        for p in procs:
+            p.join(timeout=60 if failure is None else 5)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(store):
+            os.unlink(store)
+    if failure is not None:
+        print(f"asynctp demo failed: {failure}", file=sys.stderr)
+        return None
+    return runs
+
+
+def _rank_main(rank: int, world: int, backend: str, device_type: str, init_method: str, settings: Any, variants: list, results: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from asynctp.demo.train import summarize, train
+
+    # NVLink multicast stays off (it can take a shared host's GPUs down)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            torch.set_num_threads(1)
+            device = torch.device("cpu")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        mesh = init_device_mesh(device_type, (world,))
+        runs = []
+        for variant in variants:
+            progress = _Progress(variant.name, settings) if rank == 0 else None
+            result = train(variant, settings, mesh, device, on_step=progress.update if progress else None)
+            if progress:
+                progress.close()
+            runs.append(summarize(result, settings, world))
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank == 0:
+            results.put((True, runs))
+    except BaseException:  # noqa: BLE001 - the parent prints it and fails
+        results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+
+
+class _Progress:
+    """A tqdm bar when tqdm is installed, else a plain line every tenth of the run."""
+
+    def __init__(self, name: str, settings: Any) -> None:
+        self.name, self.steps = name, settings.steps
+        self.tokens = settings.cfg.batch_size * settings.cfg.seq_len
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.steps, desc=f"{name:>12}", unit="step", file=sys.stdout)
+        except ImportError:
+            self.bar = None
+        self.every = max(1, self.steps // 10)
+
+    def update(self, step: int, loss: float, seconds: float) -> None:
+        tok_s = self.tokens / seconds
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            self.bar.update(1)
+        elif (step + 1) % self.every == 0 or step == 0 or step + 1 == self.steps:
+            print(f"  {self.name}: step {step + 1:>4}/{self.steps}  loss {loss:.4f}  {tok_s:,.0f} tokens/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _hardware(world: int, device_type: str) -> str:
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name(0).replace("NVIDIA", "").strip().split()[0]
+        return f"{world}x{name}"
+    return f"{world}xcpu"
+
+
+def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_name: str, world: int, backend: str, device_type: str) -> None:
+    from asynctp.demo.report import comparison, table, versions, write_json, write_png
+
+    print()
+    print(table(runs))
+    compared = {r["name"]: comparison(runs[0], r) for r in runs[1:]}
+    for name, c in compared.items():
+        line = f"{name} vs {runs[0]['name']}: speed-up {c["speedup"]:.2f}x, loss curves max rel diff {c['max_rel_loss_diff']:.2e}"
+        if "recovered_fraction_of_exposed_comm" in c:
+            line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of vanilla's "
+                     f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")
+        print(line)
+    if settings.float8:
+        print(f"note: asynctp runs float8 {settings.float8}; vanilla TP runs {str(settings.dtype).removeprefix('torch.')}")
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    stem = args.out / f"demo_{_hardware(world, device_type)}_{date}"
+    record = {
+        "kind": "asynctp demo",
+        "date": date,
+        "hardware": _hardware(world, device_type),
+        "backend": backend,
+        "world_size": world,
+        "model": model_name,
+        "config": dataclasses.asdict(settings.cfg),
+        "settings": {"steps": settings.steps, "dtype": str(settings.dtype).removeprefix("torch."), "lr": settings.lr,
+                     "seed": settings.seed, "float8": settings.float8, "compile": settings.compile,
+                     "warmup_steps_excluded": settings.warmup, "profile_steps": settings.profile_steps},
+        "versions": versions(),
+        "runs": runs,
+        "comparison": compared,
+    }
+    json_path = stem.with_suffix(".json")
+    write_json(json_path, record)
+    title = f"{model_name} on {_hardware(world, device_type)}, {record['settings']['dtype']}"
+    skipped = write_png(stem.with_suffix(".png"), runs, title)
+    print(f"wrote {json_path}" + (f" (no PNG: {skipped})" if skipped else f" and {stem.with_suffix('.png')}"))

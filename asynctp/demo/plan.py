@@ -1,0 +1,58 @@
+"""The demo model's tensor-parallel plans: vanilla sequence-parallel TP, and the same plan with the
+column / row styles swapped for asynctp's (nothing else changes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from asynctp.demo.model import Transformer
+from asynctp.parallel import AsyncColwiseParallel, AsyncRowwiseParallel
+
+__all__ = ["tp_plan", "parallelize"]
+
+
+def tp_plan(num_layers: int, asynchronous: bool, float8: Any = None) -> dict[str, ParallelStyle]:
+    """{module path: style} for Transformer: activations between blocks are [B, S / R, D]
+    (sequence-sharded), norms run on sequence shards, linears gather / reduce-scatter the sequence.
+
+    The output head leaves logits sharded over the vocabulary (loss_parallel computes the loss).
+    """
+    if asynchronous:
+        extra = {"float8": float8}
+        colwise = lambda **kw: AsyncColwiseParallel(**kw, **extra)  # noqa: E731
+        rowwise = lambda **kw: AsyncRowwiseParallel(**kw, **extra)  # noqa: E731
+    else:
+        if float8 is not None:
+            raise ValueError(f"the vanilla plan requires float8=None (fp8 is asynctp's), got {float8!r}")
+        colwise, rowwise = ColwiseParallel, RowwiseParallel
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(num_layers):
+        block = f"layers.{i}"
+        plan[f"{block}.attention_norm"] = SequenceParallel()
+        plan[f"{block}.ffn_norm"] = SequenceParallel()
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"{block}.{name}"] = colwise(input_layouts=Shard(1))
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"{block}.{name}"] = rowwise(output_layouts=Shard(1))
+    return plan
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, asynchronous: bool, float8: Any = None) -> nn.Module:
+    """Shard `model` in place over the 1-D `mesh` with the vanilla or the async plan."""
+    model.cfg.check_tp(mesh.size())
+    return parallelize_module(model, mesh, tp_plan(model.cfg.num_layers, asynchronous, float8))

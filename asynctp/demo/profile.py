@@ -1,0 +1,89 @@
+"""How much tensor-parallel communication a training step leaves exposed, from a torch.profiler
+trace: the time during which a communication kernel or peer copy runs and no compute kernel does.
+
+    communication   NCCL kernels (vanilla TP's collectives) and peer-to-peer copies (asynctp's
+                    copy-engine transfers)
+    compute         every other GPU kernel (GEMMs, attention, elementwise, asynctp's reductions)
+    exposed         union(communication) minus union(compute), per step
+
+This is the quantity the issue's target is stated against: async TP can at best hide all of
+vanilla TP's exposed communication, so (T_vanilla - T_async) / exposed_vanilla is how much of it
+was recovered.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["profile_steps", "exposed_time"]
+
+Interval = tuple[float, float]
+
+
+def profile_steps(step: Callable[[], Any], num_steps: int) -> dict[str, float]:
+    """Run step() num_steps times under the profiler; per-step milliseconds of communication,
+    exposed communication, compute and wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    comm, compute = _kernel_intervals(prof)
+    totals = exposed_time(comm, compute)
+    per_step = {key: value / num_steps / 1000.0 for key, value in totals.items()}  # us -> ms
+    per_step["wall_ms"] = wall / num_steps * 1000.0
+    per_step["num_steps"] = num_steps
+    return per_step
+
+
+def _is_comm(name: str) -> bool:
+    lowered = name.lower()
+    return lowered.startswith("nccl") or "ptop" in lowered or "peer" in lowered
+
+
+def _kernel_intervals(prof: Any) -> tuple[list[Interval], list[Interval]]:
+    comm, compute = [], []
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        interval = (float(evt.time_range.start), float(evt.time_range.end))
+        if interval[1] <= interval[0]:
+            continue
+        (comm if _is_comm(evt.name) else compute).append(interval)
+    return comm, compute
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def exposed_time(comm: list[Interval], compute: list[Interval]) -> dict[str, float]:
+    """Totals (in the intervals' unit): comm_ms, exposed_comm_ms, compute_ms (union lengths)."""
+    comm_u, compute_u = _merge(comm), _merge(compute)
+    covered, j = 0.0, 0
+    for lo, hi in comm_u:
+        while j < len(compute_u) and compute_u[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(compute_u) and compute_u[k][0] < hi:
+            covered += min(hi, compute_u[k][1]) - max(lo, compute_u[k][0])
+            k += 1
+    comm_total = sum(hi - lo for lo, hi in comm_u)
+    return {
+        "comm_ms": comm_total,
+        "exposed_comm_ms": comm_total - covered,
+        "compute_ms": sum(hi - lo for lo, hi in compute_u),
+    }

@@ -1,0 +1,96 @@
+"""The demo's outputs: the side-by-side table, the JSON record and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["table", "comparison", "write_json", "write_png", "versions"]
+
+
+def _memory(nbytes: int | None) -> str:
+    return "n/a (cpu)" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    rows = [
+        ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+        ("step time", lambda r: f"{r['step_time_s'] * 1000:.1f} ms"),
+        ("peak memory", lambda r: _memory(r["peak_memory_bytes"])),
+        ("final loss", lambda r: f"{r['final_loss']:.4f}"),
+    ]
+    if any(r.get("profile") for r in runs):
+        rows.append(("exposed comm", lambda r: f"{r['profile']['exposed_comm_ms']:.1f} ms/step" if r.get("profile") else "-"))
+        rows.append(("comm (total)", lambda r: f"{r['profile']['comm_ms']:.1f} ms/step" if r.get("profile") else "-"))
+    header = [""] + [r["name"] for r in runs]
+    body = [[label] + [fmt(r) for r in runs] for label, fmt in rows]
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in [header] + body]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def comparison(vanilla: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Speed-up, loss-curve agreement and (with a profile) the share of vanilla's exposed
+    communication that the other run recovered."""
+    diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(vanilla["losses"], other["losses"])]
+    out: dict[str, Any] = {
+        "speedup": vanilla["step_time_s"] / other["step_time_s"],
+        "step_time_saved_ms": (vanilla["step_time_s"] - other["step_time_s"]) * 1000,
+        "max_rel_loss_diff": max(diffs) if diffs else 0.0,
+    }
+    exposed = (vanilla.get("profile") or {}).get("exposed_comm_ms")
+    if exposed:
+        out["vanilla_exposed_comm_ms"] = exposed
+        out["recovered_fraction_of_exposed_comm"] = out["step_time_saved_ms"] / exposed
+    return out
+
+
+def versions() -> dict[str, str]:
+    import asynctp
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "asynctp": asynctp.__version__}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        found["triton"] = "not installed"
+    if torch.cuda.is_available():
+        found["cuda"] = str(torch.version.cuda)
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def write_png(path: Path, runs: list[dict[str, Any]], title: str) -> str | None:
+    """The loss curves of every run; returns why it was skipped (None when written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'asynctp[demo]')"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run, style in zip(runs, ("-", "--", ":")):
+        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], style, label=run["name"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

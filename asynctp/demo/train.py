@@ -1,0 +1,156 @@
+"""One rank's side of the demo: build, shard and train the model once per variant (same seed, same
+data), timing each step; rank 0 shows progress and returns the measurements."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from asynctp.demo.data import MarkovTokens
+from asynctp.demo.model import ModelConfig, Transformer
+from asynctp.demo.plan import parallelize
+
+__all__ = ["Variant", "TrainSettings", "train", "VARIANTS"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # shown in the table and the JSON
+    asynchronous: bool  # asynctp's styles (else torch's)
+    torch_async_tp: bool = False  # torch.compile with inductor's own async-TP (micro-pipeline) pass
+
+
+VARIANTS = {
+    "vanilla": Variant("vanilla TP", asynchronous=False),
+    "asynctp": Variant("asynctp", asynchronous=True),
+    "torch-async-tp": Variant("torch async TP (compiled)", asynchronous=False, torch_async_tp=True),
+}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    cfg: ModelConfig
+    steps: int
+    dtype: torch.dtype
+    lr: float
+    seed: int = 0
+    float8: str | None = None  # the async variant's fp8 recipe name
+    compile: bool = False
+    warmup: int = 3  # steps left out of the timings (allocation, autotuning, compilation)
+    profile_steps: int = 0  # extra steps run under torch.profiler (0: no profile)
+
+
+@dataclass
+class RunResult:
+    name: str
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # seconds, every step
+    peak_memory_bytes: int | None = None
+    profile: dict[str, float] | None = None
+
+
+def train(
+    variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device,
+    on_step: Callable[[int, float, float], None] | None = None,
+) -> RunResult:
+    """Train a fresh model for settings.steps steps; on_step(step, loss, seconds) after each."""
+    cfg = settings.cfg
+    model = _build(variant, settings, mesh, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
+    result = RunResult(variant.name)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(settings.steps):
+        tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
+        _sync(device)
+        start = time.perf_counter()
+        loss = _step(model, opt, tokens)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        result.losses.append(loss)
+        result.step_times.append(seconds)
+        if on_step is not None:
+            on_step(step, loss, seconds)
+    if device.type == "cuda":
+        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+    if settings.profile_steps:
+        from asynctp.demo.profile import profile_steps
+
+        result.profile = profile_steps(
+            lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device)), settings.profile_steps
+        )
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(settings.seed)
+    with device:
+        model = Transformer(settings.cfg)
+    model.to(settings.dtype)
+    float8 = settings.float8 if variant.asynchronous else None
+    parallelize(model, mesh, variant.asynchronous, float8)
+    if variant.torch_async_tp:
+        _enable_torch_async_tp(mesh)
+    if settings.compile or variant.torch_async_tp:
+        model = torch.compile(model)
+    return model
+
+
+def _enable_torch_async_tp(mesh: DeviceMesh) -> None:
+    """Inductor's micro-pipeline TP pass (torch's own async TP) for graphs over this mesh."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh.get_group().group_name)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(inputs)
+    # logits are sharded over the vocabulary: loss_parallel never gathers them
+    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss.item()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> dict[str, Any]:
+    """The numbers the table and the JSON show for one run."""
+    timed = result.step_times[settings.warmup :] or result.step_times
+    step_time = sorted(timed)[len(timed) // 2]
+    tokens = settings.cfg.batch_size * settings.cfg.seq_len
+    tail = result.losses[-min(5, len(result.losses)) :]
+    return {
+        "name": result.name,
+        "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "final_loss": result.losses[-1],
+        "final_loss_mean5": sum(tail) / len(tail),
+        "losses": result.losses,
+        "step_times_s": result.step_times,
+        "profile": result.profile,
+        "world_size": world_size,
+    }
