@@ -64,12 +64,15 @@ def probe_shape(M, g, rank, ws):
     r["nccl"] = timeit(lambda: dist.all_gather_into_tensor(ag_out, a_shard, group=g))
     r["serial"] = timeit(lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="serial"))
     ref = asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="serial")
-    for sp in SPLITS:
-        call = with_splits(sp, lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="pipeline"))
-        got = call()
-        assert torch.equal(got[0], ref[0])
-        torch.testing.assert_close(got[1][0], ref[1][0], rtol=2e-2, atol=2e-2)
-        r[f"pipe{sp}"] = timeit(call)
+    for alt in ("1", "0"):
+        os.environ["ASYNCTP_AG_ALTERNATE"] = alt
+        for sp in SPLITS:
+            call = with_splits(sp, lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="pipeline"))
+            got = call()
+            assert torch.equal(got[0], ref[0])
+            torch.testing.assert_close(got[1][0], ref[1][0], rtol=2e-2, atol=2e-2)
+            r[f"pipe{sp}{'' if alt == '1' else 'x'}"] = timeit(call)
+        os.environ.pop("ASYNCTP_AG_ALTERNATE")
     try:
         r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gn))
     except Exception as e:  # noqa: BLE001
@@ -98,7 +101,7 @@ def profile(g, rank, ws, out):
     import asynctp
     from torch.profiler import ProfilerActivity, profile as prof_ctx
 
-    M = 4096
+    M = int(os.environ.get("PROBE_PROFILE_M", "8192"))
     bf = dict(device="cuda", dtype=torch.bfloat16)
     a_shard, b = torch.randn(M // ws, 8192, **bf), torch.randn(8192, 3584, **bf)
     a2, b2 = torch.randn(M, 3584, **bf), torch.randn(3584, 8192, **bf)
@@ -119,6 +122,48 @@ def profile(g, rank, ws, out):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
+def host_overhead(g, rank):
+    """Host microseconds per call at a tiny shape (the GPU is idle: pure launch + Python cost)."""
+    import cProfile
+    import pstats
+    import time
+
+    import asynctp
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a, b = torch.randn(256, 256, **bf), torch.randn(256, 256, **bf)
+    res = {}
+    for name, fn in (
+        ("ag_pipe", lambda: asynctp.all_gather_matmul(a, [b], 0, g, strategy="pipeline")),
+        ("rs_pipe", lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, strategy="pipeline")),
+        ("ag_serial", lambda: asynctp.all_gather_matmul(a, [b], 0, g, strategy="serial")),
+        ("mm", lambda: torch.mm(a, b)),
+    ):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            fn()
+        res[name] = round((time.perf_counter() - t) / 200 * 1e6, 1)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print("host us/call", res)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(100):
+            asynctp.all_gather_matmul(a, [b], 0, g, strategy="pipeline")
+            asynctp.matmul_reduce_scatter(a, b, 0, g, strategy="pipeline")
+        pr.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+    else:
+        for _ in range(100):
+            asynctp.all_gather_matmul(a, [b], 0, g, strategy="pipeline")
+            asynctp.matmul_reduce_scatter(a, b, 0, g, strategy="pipeline")
+        torch.cuda.synchronize()
+
+
 def main(rank, ws, out, do_profile):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=ws)
@@ -129,6 +174,7 @@ def main(rank, ws, out, do_profile):
         sm.enable_symm_mem_for_group(g.group_name)
     except Exception as e:  # noqa: BLE001
         print("enable_symm_mem_for_group:", e)
+    host_overhead(g, rank)
     rows = []
     for M in MS:
         rows += probe_shape(M, g, rank, ws)

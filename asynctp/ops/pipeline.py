@@ -26,6 +26,7 @@ order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contrac
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -73,6 +74,10 @@ def gather_and_consume(
     blocks = row_blocks(m, splits)
 
     lanes.fork()
+    # the local GEMM needs nothing from anyone: queue it first, so it starts at once even when
+    # the host is slower than the GPU
+    with lanes.compute(0):
+        consume(rank, 0, shards)
     arrived = []
     with lanes.copy():
         for t, off in zip(shards, offsets):
@@ -89,8 +94,7 @@ def gather_and_consume(
         for g, t in zip(gathered, shards):
             g[rank * m : (rank + 1) * m].copy_(t)
 
-    with lanes.compute(0):
-        consume(rank, 0, shards)
+    alternate = alternate and os.environ.get("ASYNCTP_AG_ALTERNATE", "1") != "0"
     for i, (src, lo, hi, event) in enumerate(arrived):
         with lanes.compute(i + 1 if alternate else 0):
             lanes.wait(event)
