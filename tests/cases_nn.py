@@ -172,3 +172,109 @@ def bad_linear_inputs(device: str) -> list[str]:
         assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
         messages.append(str(info.value))
     return messages
+
+
+# ---------------------------------------------------------------- parallel styles on the demo model
+
+
+def _test_config():
+    from asynctp.demo.model import ModelConfig
+
+    # head, kv-head, ffn, vocab and sequence counts divide by 2 and by 3
+    return ModelConfig(dim=48, num_layers=2, num_heads=12, num_kv_heads=6, ffn_dim=96, vocab_size=48, seq_len=12, batch_size=2)
+
+
+def _mesh(device: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def styles_match_single_process(device: str, asynchronous: bool) -> int:
+    """One forward/backward of the sharded model equals the unsharded model: loss and every grad."""
+    import copy
+
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.model import Transformer
+    from asynctp.demo.plan import parallelize
+
+    cfg = _test_config()
+    torch.manual_seed(0)
+    with torch.device(device):
+        ref = Transformer(cfg)
+    model = parallelize(copy.deepcopy(ref), _mesh(device), asynchronous)
+    tokens = MarkovTokens(cfg.vocab_size, seed=3).batch(cfg.batch_size, cfg.seq_len).to(device)
+    loss = _forward_backward(model, tokens)
+    ref_loss = F.cross_entropy(ref(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    ref_loss.backward()
+    assert abs(loss - ref_loss.item()) <= 1e-5, f"loss {loss} vs {ref_loss.item()}"
+    count = 0
+    params = dict(model.named_parameters())
+    for name, p_ref in ref.named_parameters():
+        grad = _full(params[name].grad)
+        torch.testing.assert_close(grad, p_ref.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        count += 1
+    return count
+
+
+def _forward_backward(model, tokens) -> float:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    logits = model(tokens[:, :-1])
+    with loss_parallel():
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+
+
+def loss_curves(device: str, steps: int) -> tuple[list[float], list[float]]:
+    """float32 training, vanilla plan then async plan, same seed and data (the demo's loop)."""
+    from asynctp.demo.train import VARIANTS, TrainSettings, train
+
+    settings = TrainSettings(cfg=_test_config(), steps=steps, dtype=torch.float32, lr=1e-2)
+    mesh = _mesh(device)
+    vanilla = train(VARIANTS["vanilla"], settings, mesh, torch.device(device))
+    fused = train(VARIANTS["asynctp"], settings, mesh, torch.device(device))
+    return vanilla.losses, fused.losses
+
+
+def bad_plans(device: str) -> list[str]:
+    """Plans the async styles cannot serve fail at parallelize time, with the fix in the message."""
+    import pytest
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from asynctp.demo.plan import tp_plan
+    from asynctp.parallel import AsyncColwiseParallel, AsyncRowwiseParallel
+
+    mesh = _mesh(device)
+    mesh_2d = init_device_mesh(device, (1, dist.get_world_size()))
+
+    def lin():
+        return nn.Linear(8, 6 * dist.get_world_size())
+
+    cases = [
+        ("input_layouts=Shard(d)", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel())),
+        ("output_layouts=Shard(-1)", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))),
+        ("output_layouts=Shard(d)", lambda: parallelize_module(lin(), mesh, AsyncRowwiseParallel())),
+        ("requires an nn.Linear module, got Embedding", lambda: parallelize_module(nn.Embedding(12, 4), mesh, AsyncRowwiseParallel(output_layouts=Shard(1)))),
+        ("requires a 1-D DeviceMesh", lambda: parallelize_module(lin(), mesh_2d, AsyncColwiseParallel(input_layouts=Shard(1)))),
+        ("float8", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel(input_layouts=Shard(1), float8="no-such-recipe"))),
+        ("vanilla plan requires float8=None", lambda: tp_plan(2, asynchronous=False, float8="rowwise")),
+    ]
+    messages = []
+    for text, call in cases:
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
+        messages.append(str(info.value))
+    return messages

@@ -197,7 +197,7 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
     print(table(runs))
     compared = {r["name"]: comparison(runs[0], r) for r in runs[1:]}
     for name, c in compared.items():
-        line = f"{name} vs {runs[0]['name']}: speed-up {c["speedup"]:.2f}x, loss curves max rel diff {c['max_rel_loss_diff']:.2e}"
+        line = f"{name} vs {runs[0]['name']}: speed-up {c['speedup']:.2f}x, loss curves max rel diff {c['max_rel_loss_diff']:.2e}"
         if "recovered_fraction_of_exposed_comm" in c:
             line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of vanilla's "
                      f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from asynctp.nn import all_gather_linear
+from asynctp.nn.precision import resolve_float8
 from asynctp.parallel.placement import check_linear, check_shard, tensor_dim, to_local_input, tp_group
 
 __all__ = ["AsyncColwiseParallel"]
@@ -56,6 +57,7 @@ class AsyncColwiseParallel(ColwiseParallel):
         gather = "the sequence-sharded input it all-gathers; use ColwiseParallel for a replicated input"
         check_shard(name, "input_layouts", self.input_layouts[0], gather)
         check_shard(name, "output_layouts", self.output_layouts[0], "the local output features", last_only=True)
+        resolve_float8(self.float8)  # a missing fp8 module fails here, not at the first forward
         distribute_module(module, device_mesh, self._partition_linear_fn)
         module.forward = types.MethodType(_make_forward(self, device_mesh), module)
         return module

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard, distribute_modul
 from torch.distributed.tensor.parallel import RowwiseParallel
 
 from asynctp.nn import linear_reduce_scatter
+from asynctp.nn.precision import resolve_float8
 from asynctp.parallel.placement import check_linear, check_shard, tensor_dim, to_local_input, tp_group
 
 __all__ = ["AsyncRowwiseParallel"]
@@ -52,6 +53,7 @@ class AsyncRowwiseParallel(RowwiseParallel):
         check_linear(name, module, device_mesh)
         scatter = "the dim the summed output is reduce-scattered along; use RowwiseParallel for a replicated output"
         check_shard(name, "output_layouts", self.output_layouts[0], scatter)
+        resolve_float8(self.float8)  # a missing fp8 module fails here, not at the first forward
         distribute_module(module, device_mesh, self._partition_linear_fn)
         module.forward = types.MethodType(_make_forward(self, device_mesh), module)
         return module

@@ -1,0 +1,26 @@
+"""asynctp.parallel styles on the demo's Llama (gloo, cpu backend): sharded vs one process, the
+vanilla and async plans' float32 loss curves, and plans the async styles refuse."""
+
+import pytest
+
+from tests import cases_nn
+
+DEVICE = "cpu"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["vanilla", "async"])
+def test_sharded_model_matches_single_process(pool, asynchronous):
+    counts = pool.run(cases_nn.styles_match_single_process, DEVICE, asynchronous)
+    assert counts[0] == 2 * 9 + 3  # per block: 2 norms + 7 linears; embedding, norm, output
+
+
+def test_float32_loss_curves_identical(pool):
+    vanilla, fused = pool.run(cases_nn.loss_curves, DEVICE, 4)[0]
+    assert len(vanilla) == 4
+    assert vanilla[-1] < vanilla[0]
+    assert max(abs(a - b) for a, b in zip(vanilla, fused)) <= 1e-5, (vanilla, fused)
+
+
+def test_bad_plans_raise_at_parallelize_time(pool):
+    messages = pool.run(cases_nn.bad_plans, DEVICE)
+    assert all(m == messages[0] for m in messages)
