@@ -19,7 +19,9 @@ import torch.distributed as dist
 import asynctp
 from asynctp.bench.shapes import KINDS, Shape
 
-__all__ = ["Problem", "OpCase", "CASES", "register", "dtype_name", "randn", "check_close", "call_torch_symm"]
+__all__ = [
+    "Problem", "OpCase", "CASES", "register", "dtype_name", "randn", "check_close", "check_sqnr", "call_torch_symm",
+]
 
 
 @dataclass
@@ -107,15 +109,34 @@ def check_close(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{label} differs from serial: {exc}") from None
 
 
-def _check_gather(got: Any, want: Any) -> None:
+def check_sqnr(label: str, got: torch.Tensor, want: torch.Tensor, min_db: float = 30.0) -> None:
+    """AssertionError unless got matches want in shape and dtype with a signal-to-noise ratio of
+    at least min_db (fp8 results: fast accumulation may differ between GEMM kernels; a wrong row
+    or scale gives about 0 dB)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{label}: got {tuple(got.shape)} {got.dtype}, serial gives {tuple(want.shape)} {want.dtype}")
+    noise = (got.double() - want.double()).norm()
+    if noise == 0:
+        return
+    sqnr = 20 * torch.log10(want.double().norm() / noise).item()
+    if not sqnr >= min_db:
+        raise AssertionError(f"{label} differs from serial: SQNR {sqnr:.1f} dB, needs >= {min_db} dB")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bytes as integers: exact comparison for every dtype, float8 included."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _check_gather(got: Any, want: Any, close: Callable[[str, torch.Tensor, torch.Tensor], None] = check_close) -> None:
     a_got, outs_got = got
     a_want, outs_want = want
-    if a_got is None or a_got.shape != a_want.shape or not torch.equal(a_got, a_want):
+    if a_got is None or a_got.shape != a_want.shape or not torch.equal(_bits(a_got), _bits(a_want)):
         raise AssertionError("a_gathered is not exactly equal to serial's all_gather_into_tensor result")
     if len(outs_got) != len(outs_want):
         raise AssertionError(f"got {len(outs_got)} outputs, serial gives {len(outs_want)}")
     for i, (o, w) in enumerate(zip(outs_got, outs_want)):
-        check_close(f"outs[{i}]", o, w)
+        close(f"outs[{i}]", o, w)
 
 
 def _check_scatter(got: Any, want: Any) -> None:
@@ -213,3 +234,136 @@ def _matmul_reduce_scatter(shape: Shape, dtype: torch.dtype, group: dist.Process
         torch_fused=torch_fused,
         check=_check_scatter,
     )
+
+
+# -- float8 ops: one entry per (op, recipe); out dtype = the run's --dtype -------------------
+
+
+def _float8_missing(public_name: str) -> Callable[[], str | None]:
+    def requires() -> str | None:
+        if getattr(asynctp, public_name, None) is None:
+            return f"this asynctp has no asynctp.{public_name}"
+        return None
+
+    return requires
+
+
+def _check_gather_fp8(got: Any, want: Any) -> None:
+    _check_gather(got, want, close=check_sqnr)
+
+
+def _check_scatter_fp8(got: Any, want: Any) -> None:
+    check_sqnr("out", got, want)
+
+
+def _weight_fp8(n_out: int, k_in: int, recipe: Any, dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b [k_in, n_out] float8, column-major; b_scale () or [1, n_out]) from a random
+    nn.Linear weight [n_out, k_in], as a float8 training step passes it."""
+    from asynctp.float8 import quantize_weight
+
+    w_fp8, w_scale = quantize_weight(randn((n_out, k_in), dtype, device, gen, scale=k_in**-0.5), recipe)
+    return w_fp8.t(), w_scale.t()
+
+
+def _all_gather_scaled_matmul(recipe_name: str) -> Callable[..., Problem]:
+    def build(shape: Shape, out_dtype: torch.dtype, group: dist.ProcessGroup, device: torch.device,
+              seed: int) -> Problem:
+        from asynctp.float8 import Float8Recipe, quantize_activation
+
+        recipe = Float8Recipe.from_name(recipe_name)
+        fast = recipe.use_fast_accum
+        gen = _generator(device, seed, group.rank())
+        n_each = shape.n // shape.num_bs
+        # a_shard [M / R, K] fp8 with its scale (tensorwise: agreed over the group)
+        a_shard, a_scale = quantize_activation(randn((shape.m // group.size(), shape.k), out_dtype, device, gen), recipe, group)
+        weights = [_weight_fp8(n_each, shape.k, recipe, out_dtype, device, gen) for _ in range(shape.num_bs)]
+        bs, b_scales = [b for b, _ in weights], [s for _, s in weights]
+        a_full, a_full_scale = quantize_activation(randn((shape.m, shape.k), out_dtype, device, gen), recipe, None)
+        gathered = torch.empty((shape.m, shape.k), dtype=torch.uint8, device=device)
+
+        def compute_bound() -> None:
+            for b, b_scale in zip(bs, b_scales):
+                torch._scaled_mm(a_full, b, a_full_scale, b_scale, out_dtype=out_dtype, use_fast_accum=fast)
+
+        def comm_bound() -> None:  # the fp8 bytes (a rowwise scale adds M * 4 bytes more)
+            dist.all_gather_into_tensor(gathered, a_shard.view(torch.uint8), group=group)
+
+        def run(strategy: str) -> Any:
+            return asynctp.all_gather_scaled_matmul(a_shard, bs, a_scale, b_scales, 0, group, out_dtype=out_dtype,
+                                                    use_fast_accum=fast, strategy=strategy)
+
+        def torch_fused() -> Any:
+            n = len(bs)
+            return call_torch_symm("fused_all_gather_scaled_matmul", group.group_name, device, a_shard, bs, a_scale,
+                                   b_scales, 0, group.group_name, [None] * n, [None] * n, [out_dtype] * n, [fast] * n)
+
+        return Problem(
+            op="all_gather_scaled_matmul",
+            shape_key=(f"{dtype_name(a_shard.dtype)}-{recipe.scaling}", shape.m, shape.n, shape.k),
+            workspace_bytes=2 * shape.m * (shape.k + 16),
+            compute_bound=compute_bound,
+            comm_bound=comm_bound,
+            asynctp=run,
+            torch_fused=torch_fused,
+            check=_check_gather_fp8,
+        )
+
+    return build
+
+
+def _scaled_matmul_reduce_scatter(recipe_name: str) -> Callable[..., Problem]:
+    def build(shape: Shape, out_dtype: torch.dtype, group: dist.ProcessGroup, device: torch.device,
+              seed: int) -> Problem:
+        from asynctp.float8 import Float8Recipe, quantize_activation
+
+        recipe = Float8Recipe.from_name(recipe_name)
+        fast = recipe.use_fast_accum
+        gen = _generator(device, seed, group.rank())
+        # a [M, N] fp8: the row-parallel input is never gathered, so its scale needs no agreement
+        a, a_scale = quantize_activation(randn((shape.m, shape.n), out_dtype, device, gen), recipe, None)
+        b, b_scale = _weight_fp8(shape.k, shape.n, recipe, out_dtype, device, gen)  # [N, K]
+        partial = randn((shape.m, shape.k), out_dtype, device, gen)  # [M, K]: the comm bound's input
+        out_shard = torch.empty((shape.m // group.size(), shape.k), dtype=out_dtype, device=device)
+
+        def compute_bound() -> None:
+            torch._scaled_mm(a, b, a_scale, b_scale, out_dtype=out_dtype, use_fast_accum=fast)
+
+        def comm_bound() -> None:
+            dist.reduce_scatter_tensor(out_shard, partial, op=dist.ReduceOp.SUM, group=group)
+
+        def run(strategy: str) -> Any:
+            return asynctp.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, 0, group, out_dtype=out_dtype,
+                                                        use_fast_accum=fast, strategy=strategy)
+
+        def torch_fused() -> Any:
+            return call_torch_symm("fused_scaled_matmul_reduce_scatter", group.group_name, device, a, b, a_scale,
+                                   b_scale, "sum", 0, 0, group.group_name, [shape.m, shape.k], None, None, out_dtype,
+                                   fast)
+
+        return Problem(
+            op="scaled_matmul_reduce_scatter",
+            shape_key=(f"{dtype_name(a.dtype)}-{recipe.scaling}", shape.m, shape.k, shape.n),
+            workspace_bytes=2 * shape.m * shape.k * out_dtype.itemsize,
+            compute_bound=compute_bound,
+            comm_bound=comm_bound,
+            asynctp=run,
+            torch_fused=torch_fused,
+            check=_check_scatter_fp8,
+        )
+
+    return build
+
+
+def _register_float8() -> None:
+    """all_gather_scaled_matmul_<recipe> and scaled_matmul_reduce_scatter_<recipe>, for the named
+    recipes of asynctp.float8 (they run only once asynctp exports the ops)."""
+    for recipe in ("rowwise", "tensorwise"):
+        register(f"all_gather_scaled_matmul_{recipe}", "gather", _float8_missing("all_gather_scaled_matmul"))(
+            _all_gather_scaled_matmul(recipe))
+    for recipe in ("rowwise", "tensorwise"):
+        register(f"scaled_matmul_reduce_scatter_{recipe}", "scatter",
+                 _float8_missing("scaled_matmul_reduce_scatter"))(_scaled_matmul_reduce_scatter(recipe))
+
+
+_register_float8()

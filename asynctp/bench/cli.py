@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true",
                         help="record the fastest eager strategy per shape in asynctp's tuning cache, then time auto")
     parser.add_argument("--hardware", default=None, help="results file tag (default e.g. 2xH200)")
-    parser.add_argument("--readme", action="store_true", help="only regenerate <out>/README.md from its JSON files")
+    parser.add_argument("--readme", action="store_true", help="measure nothing: rewrite the .md/.png of every JSON file in --out, and its README.md")
 
 
 def _has_gpus() -> bool:
@@ -69,12 +69,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.readme:
-        from asynctp.bench.report import write_readme
+        from asynctp.bench.report import regenerate
 
         if not args.out:
             print("asynctp bench --readme requires --out DIR, got ''", file=sys.stderr)
             return 2
-        print(f"wrote {write_readme(args.out)}")
+        for path in regenerate(args.out):
+            print(f"wrote {path}")
         return 0
     from asynctp.bench.launch import launch, plan
 

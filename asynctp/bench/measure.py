@@ -202,8 +202,16 @@ def measure_shape(
 ) -> dict[str, Any]:
     """One result row (collective: every rank calls it with the same arguments)."""
     out = _header(case, shape, cfg, env)
-    problem = case.build(shape, DTYPES[cfg.dtype], group, device, cfg.seed)
-    want = problem.asynctp("serial")
+    failure = None
+    try:
+        problem = case.build(shape, DTYPES[cfg.dtype], group, device, cfg.seed)
+        want = problem.asynctp("serial")
+    except Exception as exc:  # noqa: BLE001 - e.g. a dtype the op does not take: the row says so
+        failure = f"building the inputs or the serial reference: {_describe(exc)}"
+    failure = _agree(group, failure)
+    if failure is not None:
+        out["error"] = f"row not timed: {failure}"
+        return out
     strategies = pipelined_strategies()
     failure = _agree(group, _check_strategies(problem, want, [*strategies, "auto"]))
     if failure is not None:

@@ -26,7 +26,7 @@ from typing import Any
 __all__ = [
     "COMPUTE", "COMM", "SERIAL", "TORCH", "TORCH_GRAPH", "AUTO", "AUTO_GRAPH",
     "today", "default_hardware", "derive", "columns", "format_table", "progress_line",
-    "results_stem", "merge_rows", "write_results", "markdown", "target_notes", "write_readme",
+    "results_stem", "merge_rows", "write_results", "regenerate", "markdown", "target_notes", "write_readme",
 ]
 
 COMPUTE, COMM, SERIAL = "compute_bound", "comm_bound", "serial"
@@ -37,7 +37,7 @@ _HEADINGS = {
     COMPUTE: "mm only", COMM: "comm only", SERIAL: "serial", TORCH: "torch fused",
     TORCH_GRAPH: "torch fused graph", AUTO: "asynctp auto", AUTO_GRAPH: "asynctp auto graph",
 }
-_README_COMMAND = "asynctp bench --readme --out benchmarks/results"
+_README_COMMAND = "python -m asynctp.cli bench --readme --out benchmarks/results"
 
 
 def today() -> str:
@@ -176,6 +176,29 @@ def write_results(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]
         from asynctp.bench.plot import plot_efficiency
 
         png = plot_efficiency(merged, stem.with_suffix(".png"))
+        if png is not None:
+            written.append(png)
+    written.append(write_readme(out))
+    return written
+
+
+def regenerate(out_dir: str | Path) -> list[Path]:
+    """Rewrite every results file's .md (and .png, with matplotlib) from its .json, then
+    README.md: for results copied from another machine, or after a change to the format."""
+    from asynctp.bench.plot import plot_efficiency
+
+    out = Path(out_dir)
+    written = []
+    for path in sorted(out.glob("*.json")):
+        try:
+            rows = json.loads(path.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not rows:
+            continue
+        path.with_suffix(".md").write_text(markdown(rows, title=True))
+        written.append(path.with_suffix(".md"))
+        png = plot_efficiency(rows, path.with_suffix(".png"))
         if png is not None:
             written.append(png)
     written.append(write_readme(out))

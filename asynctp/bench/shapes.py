@@ -113,7 +113,8 @@ def shapes_for(set_name: str, kind: str, world_size: int) -> list[Shape]:
     elif set_name == "small":
         shapes = _synthetic(set_name, (256, 512, 1024), 3584, 8192)
     else:  # tiny: CPU-sized, exercises the code paths in seconds (second row: two bs)
-        shapes = [Shape("tiny", "", 96, 48, 32), Shape("tiny", "", 192, 48, 32, num_bs=2 if kind == "gather" else 1)]
+        # N and N / 2 multiples of 16, as torch._scaled_mm wants for the fp8 ops
+        shapes = [Shape("tiny", "", 96, 64, 32), Shape("tiny", "", 192, 64, 32, num_bs=2 if kind == "gather" else 1)]
     for shape in shapes:
         _per_rank(set_name, "M", shape.m, world_size)
     return shapes

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
+
+import asynctp
 
 from asynctp.bench import cases
 from asynctp.bench.measure import BenchConfig, pipelined_strategies, run_benchmark
@@ -31,7 +34,7 @@ def _use_cache(path: str) -> None:
 
 def bench_all_ops(cache: str) -> list[dict]:
     _use_cache(cache)
-    return run_benchmark(_config(), dist.group.WORLD, DEVICE)
+    return run_benchmark(_config(ops=("all_gather_matmul", "matmul_reduce_scatter")), dist.group.WORLD, DEVICE)
 
 
 def bench_tuned(cache: str) -> list[dict]:
@@ -63,6 +66,12 @@ def bench_with_wrong_results() -> list[dict]:
         del cases.CASES["_wrong_pipeline_for_test"]
 
 
+def bench_float8(cache: str) -> list[dict]:
+    _use_cache(cache)
+    ops = tuple(name for name in cases.CASES if "scaled" in name)
+    return run_benchmark(_config(ops=ops, iters=1, warmup=0), dist.group.WORLD, DEVICE)
+
+
 # -- tests ----------------------------------------------------------------------------------
 
 _ROW_KEYS = {
@@ -77,8 +86,8 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
     rows = per_rank[0]
     world = pool.world_size
     assert [(r["op"], r["shape"]) for r in rows] == [
-        ("all_gather_matmul", "96x48x32"), ("all_gather_matmul", "192x48x32"),
-        ("matmul_reduce_scatter", "96x48x32"), ("matmul_reduce_scatter", "192x48x32"),
+        ("all_gather_matmul", "96x64x32"), ("all_gather_matmul", "192x64x32"),
+        ("matmul_reduce_scatter", "96x64x32"), ("matmul_reduce_scatter", "192x64x32"),
     ]
     timed = {"compute_bound", "comm_bound", "serial", "asynctp_auto"} | {f"asynctp_{s}" for s in pipelined_strategies()}
     for row in rows:
@@ -134,3 +143,15 @@ def test_cli_spawns_ranks_and_writes_results(tmp_path, monkeypatch):
     assert len(rows) == 2 and rows[0]["command"].startswith("asynctp bench --op all_gather_matmul --shapes tiny")
     assert path.with_suffix(".md").exists()
     assert "all_gather_matmul on 2xcpu" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.skipif(not hasattr(asynctp, "all_gather_scaled_matmul"), reason="asynctp has no fp8 ops yet")
+def test_float8_rows_for_both_recipes(pool, tmp_path):
+    rows = pool.run(bench_float8, str(tmp_path / "tuning.json"))[0]
+    assert sorted({r["op"] for r in rows}) == [
+        "all_gather_scaled_matmul_rowwise", "all_gather_scaled_matmul_tensorwise",
+        "scaled_matmul_reduce_scatter_rowwise", "scaled_matmul_reduce_scatter_tensorwise",
+    ]
+    for row in rows:
+        assert row["error"] is None, row["error"]
+        assert row["times_us"]["asynctp_auto"] > 0 and "torch_fused" in row["skipped"]

@@ -89,7 +89,7 @@ def test_write_results_and_readme(tmp_path):
     assert "## all_gather_matmul on 2xH200" in readme and "## matmul_reduce_scatter on 2xH200" in readme
     assert "met: eager auto efficiency >= 0.92 at seed M 4096/8192" in readme
     assert "met: eager auto faster than torch's fused op" in readme
-    assert "asynctp bench --readme --out benchmarks/results" in readme
+    assert "python -m asynctp.cli bench --readme --out benchmarks/results" in readme
 
 
 def test_readme_takes_the_newest_run_gpus_first(tmp_path):
@@ -115,3 +115,15 @@ def test_cpu_timing_and_graph_refusal():
         median_us(lambda: None, iters=0, warmup=0, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="requires a CUDA device"):
         capture_graph(lambda: None, torch.device("cpu"))
+
+
+def test_regenerate_rewrites_markdown_and_readme_from_json(tmp_path):
+    report.write_results([_row(m=2048), _row(m=4096)], tmp_path)
+    md = tmp_path / "all_gather_matmul_2xH200_2026-11-20.md"
+    md.write_text("stale")
+    (tmp_path / "README.md").write_text("stale")
+    (tmp_path / "notes.json").write_text("{not json")  # ignored
+    written = report.regenerate(tmp_path)
+    assert md in written and (tmp_path / "README.md") in written
+    assert md.read_text().startswith("# all_gather_matmul on 2xH200")
+    assert "## all_gather_matmul on 2xH200" in (tmp_path / "README.md").read_text()
