@@ -1,0 +1,180 @@
+"""all_gather_scaled_matmul: all-gather a float8 activation (with its rowwise scale, if any) and
+multiply it by float8 matrices with torch._scaled_mm, overlapping the gather with the matmuls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asynctp.ops.layout import GatherLayout, gather_layout
+from asynctp.ops.pipeline import gather_and_consume
+from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm
+from asynctp.ops.scales import aligned, check_all_gather_scaled_matmul, column_major, expand_cols, expand_rows
+from asynctp.ops.strategy import choose, eager_call_ok
+from asynctp.ops.tuning import splits_for
+from asynctp.symm import Workspace, resolve_group
+
+__all__ = ["all_gather_scaled_matmul"]
+
+
+def all_gather_scaled_matmul(
+    a_shard: torch.Tensor,
+    bs: list[torch.Tensor],
+    a_scale: torch.Tensor,
+    b_scales: list[torch.Tensor],
+    gather_dim: int,
+    group: Any,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    biases: list[torch.Tensor | None] | None = None,
+    use_fast_accum: bool = False,
+    return_a: bool = True,
+    strategy: str = "auto",
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """All-gather float8 `a_shard` along `gather_dim`, then a scaled matmul with each b in `bs`.
+
+    Equivalent to the following plain PyTorch code::
+
+        a_gathered = torch.cat(all_gather(a_shard, group), dim=gather_dim)
+        scale = torch.cat(all_gather(a_scale, group), dim=gather_dim) if rowwise else a_scale
+        a_2d, scale_2d = (a_gathered, scale) with gather_dim moved first, flattened to 2-D
+        outs = [torch._scaled_mm(a_2d, b, scale_2d, b_scale, bias=bias, out_dtype=out_dtype,
+                                 use_fast_accum=use_fast_accum) reshaped back
+                for b, b_scale, bias in zip(bs, b_scales, biases)]
+        return (a_gathered if return_a else None), outs
+
+    Shapes: a_shard [..., s, ..., K'] float8_e4m3fn or float8_e5m2 (any dim may be the gather
+    dim, the last one too: then K = R * K'); bs[i] [K, N_i] float8 (weight_fp8.t(), column-major
+    on CUDA); biases[i] [N_i] of out_dtype. Scales are float32 dequantization multipliers:
+    a_scale numel 1 (tensorwise: it must be identical on every rank, which asynctp.float8's
+    quantize_activation guarantees) or a_shard.shape[:-1] + (1,) (rowwise: gathered with its
+    rows in the same pipeline); b_scales[i] numel 1 or (1, N_i). Gathering along K with rowwise
+    scales gives each row one scale per rank's K block: each block's product is scaled by its own
+    scale and the blocks are summed in fp32 (there is no single _scaled_mm for it).
+    out_dtype: torch.bfloat16 or torch.float32. Outputs never alias a shared buffer.
+
+    strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
+    (pull-based ring over the symmetric workspace, copies overlapped with the matmuls).
+    """
+    pg = resolve_group(group)
+    checked = check_all_gather_scaled_matmul(
+        a_shard, bs, a_scale, b_scales, gather_dim, pg.size(), out_dtype, biases, use_fast_accum, return_a, strategy
+    )
+    _, bs, b_scales, biases, _ = checked
+    if eager_call_ok(a_shard, a_scale, *bs, *b_scales, *biases):
+        return _run(a_shard, a_scale, checked, pg, out_dtype, use_fast_accum, return_a, strategy)
+    a_gathered, outs = torch.ops.asynctp.all_gather_scaled_matmul(
+        a_shard, bs, a_scale, b_scales, gather_dim, pg.group_name, out_dtype, biases, use_fast_accum, return_a, strategy
+    )
+    return a_gathered, list(outs)
+
+
+@torch.library.custom_op(
+    "asynctp::all_gather_scaled_matmul",
+    mutates_args=(),
+    schema="(Tensor a_shard, Tensor[] bs, Tensor a_scale, Tensor[] b_scales, int gather_dim, str group_name, "
+    "ScalarType out_dtype, Tensor?[] biases, bool use_fast_accum, bool return_a, str strategy) -> (Tensor?, Tensor[])",
+)
+def _all_gather_scaled_matmul_op(
+    a_shard, bs, a_scale, b_scales, gather_dim, group_name, out_dtype, biases, use_fast_accum, return_a, strategy
+):
+    group = resolve_group(group_name)
+    checked = check_all_gather_scaled_matmul(
+        a_shard, bs, a_scale, b_scales, gather_dim, group.size(), out_dtype, biases, use_fast_accum, return_a, strategy
+    )
+    return _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy)
+
+
+def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy):
+    """The implementation, on validated arguments (`checked`: what the check returned)."""
+    dim, bs, b_scales, biases, rowwise = checked
+    world = group.size()
+    lay = gather_layout(a_shard, dim, world)
+    # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
+    scale_2d = gather_layout(a_scale, dim, world).shard_2d if rowwise else None
+    bs = [column_major(b) for b in bs]
+    m_total = lay.m * (1 if lay.k_mode else world)
+    n_total = sum(b.shape[1] for b in bs)
+    mode = "rowwise" if rowwise else "tensorwise"
+    shape_key = (f"{str(a_shard.dtype).removeprefix('torch.')}-{mode}", m_total, n_total, bs[0].shape[0])
+    chosen, ws = choose("all_gather_scaled_matmul", strategy, group, a_shard.device, shape_key)
+    if chosen == "serial":
+        return all_gather_scaled_matmul_serial(
+            lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, group, return_a
+        )
+    ws.op = "all_gather_scaled_matmul"
+    # the bf16 op's row-block heuristic: the pipeline is the same
+    splits = splits_for("all_gather_matmul", shape_key, world)
+    return _pipelined(ws, lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, return_a, splits)
+
+
+@_all_gather_scaled_matmul_op.register_fake
+def _(a_shard, bs, a_scale, b_scales, gather_dim, group_name, out_dtype, biases, use_fast_accum, return_a, strategy):
+    world = resolve_group(group_name).size()
+    dim, bs, *_ = check_all_gather_scaled_matmul(
+        a_shard, bs, a_scale, b_scales, gather_dim, world, out_dtype, biases, use_fast_accum, return_a, strategy
+    )
+    lay = gather_layout(a_shard, dim, world)
+    if lay.k_mode:
+        outs = [lay.restore(lay.shard_2d.new_empty((lay.m, b.shape[1]), dtype=out_dtype)) for b in bs]
+    else:
+        outs = [lay.restore(lay.new_rows(b.shape[1], dtype=out_dtype)) for b in bs]
+    return (lay.a_gathered(lay.new_rows(lay.shard_2d.shape[1])) if return_a else None), outs
+
+
+def _pipelined(
+    ws: Workspace,
+    lay: GatherLayout,
+    a_scale: torch.Tensor,
+    scale_2d: torch.Tensor | None,
+    bs: list[torch.Tensor],
+    b_scales: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+    return_a: bool,
+    splits: int,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """One gather_and_consume moves a's rows (as bytes) and, when rowwise, the scale rows."""
+    m, world = lay.m, lay.world_size
+    rows = lay.new_rows(lay.shard_2d.shape[1])
+    shards, gathered = [lay.shard_2d.view(torch.uint8)], [rows.view(torch.uint8)]
+    if scale_2d is not None:
+        shards.append(scale_2d)
+        gathered.append(scale_2d.new_empty((world * m, 1)))
+    # pair the scales once, not per chunk: _scaled_mm takes rowwise only with per-column
+    any_rowwise = scale_2d is not None or any(s.numel() != 1 for s in b_scales)
+    a_fixed = expand_rows(a_scale, m) if (any_rowwise and scale_2d is None) else a_scale
+    b_fixed = [expand_cols(s, b.shape[1]) if (any_rowwise and s.numel() == 1) else s for s, b in zip(b_scales, bs)]
+
+    def block_scale(blocks: list[torch.Tensor]) -> torch.Tensor:
+        if scale_2d is not None:
+            # a block's scale rows start 4 * (src * m + lo) bytes in: off cuBLAS's 16-byte
+            # alignment unless that row index is a multiple of 4
+            return aligned(blocks[1])
+        # an expanded tensorwise scale has equal rows: its first ones serve any block
+        return a_fixed[: blocks[0].shape[0]] if any_rowwise else a_scale
+
+    if lay.k_mode:
+        acc = KBlockAccumulator(m, world, bs, b_fixed, use_fast_accum)
+
+        def consume_block(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+            acc.add(src, lo, blocks[0].view(rows.dtype), block_scale(blocks))
+
+        # one stream: the accumulators are shared by every step
+        gather_and_consume(ws, shards, gathered, consume_block, splits=splits, alternate=False)
+        outs = [lay.restore(o) for o in acc.finish(biases, out_dtype)]
+    else:
+        out_rows = [lay.new_rows(b.shape[1], dtype=out_dtype) for b in bs]
+
+        def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+            a_block, s_block = blocks[0].view(rows.dtype), block_scale(blocks)
+            start = src * m + lo
+            for out, b, b_scale, bias in zip(out_rows, bs, b_fixed, biases):
+                scaled_mm(a_block, b, s_block, b_scale, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                          out=out[start : start + a_block.shape[0]])
+
+        gather_and_consume(ws, shards, gathered, consume, splits=splits)
+        outs = [lay.restore(o) for o in out_rows]
+    return (lay.a_gathered(rows) if return_a else None), outs

@@ -1,0 +1,162 @@
+"""torch._scaled_mm for the fused fp8 ops: one 2-D call that hides _scaled_mm's limits, and the
+serial references (plain collective, then scaled matmul) that define the ops' semantics.
+
+_scaled_mm's limits handled here (the same on CPU and CUDA, so CI runs the CUDA code path):
+- it pairs tensorwise with tensorwise and rowwise with per-column only: a mixed pair is expanded;
+- bias is refused with a float32 output (cuBLAS): the bias is added after, in float32;
+- rowwise scales with a float32 output are missing from some releases' CUTLASS kernel: the
+  product is taken unscaled in float32 and scaled after (the epilogue's own arithmetic);
+- scale slices off cuBLAS's 16-byte alignment are copied (scales.aligned).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from asynctp.ops.layout import GatherLayout, ScatterLayout
+from asynctp.ops.reference import bias_chunk, divide_for_avg
+from asynctp.ops.scales import aligned, expand_cols, expand_rows
+
+__all__ = [
+    "scaled_mm",
+    "KBlockAccumulator",
+    "all_gather_scaled_matmul_serial",
+    "scaled_matmul_reduce_scatter_serial",
+]
+
+
+def _pair(a_scale: torch.Tensor, b_scale: torch.Tensor, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if a_scale.numel() == 1 and b_scale.numel() == 1:
+        return a_scale, b_scale
+    if tuple(a_scale.shape) != (m, 1):
+        a_scale = expand_rows(a_scale, m)
+    if tuple(b_scale.shape) != (1, n):
+        b_scale = expand_cols(b_scale, n)
+    return aligned(a_scale), aligned(b_scale)
+
+
+def scaled_mm(
+    a_fp8: torch.Tensor,
+    b_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torch._scaled_mm(a_fp8, b_fp8, a_scale, b_scale, bias=bias, out_dtype=out_dtype), 2-D.
+
+    a_fp8 [m, K] row-major; b_fp8 [K, n] (column-major on CUDA); a_scale numel 1 or [m, 1];
+    b_scale numel 1 or [1, n]; bias [n] of out_dtype; out [m, n] of out_dtype (written, returned).
+    """
+    m, n = a_fp8.shape[0], b_fp8.shape[1]
+    a_scale, b_scale = _pair(a_scale, b_scale, m, n)
+    rowwise = a_scale.numel() != 1 or b_scale.numel() != 1
+    if out_dtype == torch.float32 and rowwise:
+        one = torch.ones((), dtype=torch.float32, device=a_fp8.device)
+        out = torch._scaled_mm(a_fp8, b_fp8, one, one, out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out)
+        out.mul_(a_scale).mul_(b_scale)
+    elif out_dtype == torch.float32:
+        out = torch._scaled_mm(
+            a_fp8, b_fp8, a_scale, b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out
+        )
+    else:
+        return torch._scaled_mm(
+            a_fp8, b_fp8, a_scale, b_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out
+        )
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+class KBlockAccumulator:
+    """Gather along K: rank r's block [M, k] multiplies rows r*k:(r+1)*k of b, each block with its
+    own scales (a rowwise scale differs per rank's block). Products accumulate in fp32 and round
+    once at the end, with the bias, as one GEMM's epilogue would."""
+
+    def __init__(
+        self, m: int, world_size: int, bs: list[torch.Tensor], b_scales: list[torch.Tensor], use_fast_accum: bool
+    ) -> None:
+        self.bs, self.b_scales, self.use_fast_accum = bs, b_scales, use_fast_accum
+        self.k = bs[0].shape[0] // world_size
+        self.accs = [b.new_zeros((m, b.shape[1]), dtype=torch.float32) for b in bs]
+
+    def add(self, src: int, lo: int, block_fp8: torch.Tensor, block_scale: torch.Tensor) -> None:
+        """Rows lo:lo+len(block) of rank src's K block."""
+        k, hi = self.k, lo + block_fp8.shape[0]
+        for acc, b, b_scale in zip(self.accs, self.bs, self.b_scales):
+            acc[lo:hi].add_(scaled_mm(block_fp8, b[src * k : (src + 1) * k], block_scale, b_scale, torch.float32,
+                               use_fast_accum=self.use_fast_accum))
+
+    def finish(self, biases: list[torch.Tensor | None], out_dtype: torch.dtype) -> list[torch.Tensor]:
+        outs = []
+        for acc, bias in zip(self.accs, biases):
+            if bias is not None:
+                acc.add_(bias)
+            outs.append(acc.to(out_dtype))
+        return outs
+
+
+def all_gather_scaled_matmul_serial(
+    lay: GatherLayout,
+    a_scale: torch.Tensor,
+    scale_2d: torch.Tensor | None,
+    bs: list[torch.Tensor],
+    b_scales: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+    group: dist.ProcessGroup,
+    return_a: bool,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """all_gather(a) (and a rowwise scale, row for row), then one scaled matmul per b.
+    scale_2d: the rowwise scale laid out like lay.shard_2d ([m, 1]), or None (tensorwise)."""
+    world = lay.world_size
+    rows = lay.new_rows(lay.shard_2d.shape[1])
+    # byte copies: not every backend's all-gather knows float8
+    dist.all_gather_into_tensor(rows.view(torch.uint8), lay.shard_2d.view(torch.uint8), group=group)
+    scale_rows = None
+    if scale_2d is not None:
+        scale_rows = scale_2d.new_empty((world * scale_2d.shape[0], 1))
+        dist.all_gather_into_tensor(scale_rows, scale_2d, group=group)
+    a_gathered = lay.a_gathered(rows) if (return_a or lay.k_mode) else None
+    if lay.k_mode and scale_rows is not None:
+        acc = KBlockAccumulator(lay.m, world, bs, b_scales, use_fast_accum)
+        for src in range(world):
+            acc.add(src, 0, rows[src * lay.m : (src + 1) * lay.m], aligned(scale_rows[src * lay.m : (src + 1) * lay.m]))
+        outs = acc.finish(biases, out_dtype)
+    else:
+        a_2d = a_gathered.reshape(lay.m, -1) if lay.k_mode else rows
+        a_s = scale_rows if scale_rows is not None else a_scale
+        outs = [scaled_mm(a_2d, b, a_s, s, out_dtype, bias=bias, use_fast_accum=use_fast_accum)
+                for b, s, bias in zip(bs, b_scales, biases)]
+    return (a_gathered if return_a else None), [lay.restore(o) for o in outs]
+
+
+def scaled_matmul_reduce_scatter_serial(
+    lay: ScatterLayout,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    reduce_op: str,
+    bias: torch.Tensor | None,
+    use_fast_accum: bool,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """One scaled matmul, then reduce_scatter (sum; avg divides after), then the bias once.
+    a_scale: numel 1, or the rowwise scale laid out like lay.a_2d ([rows, 1])."""
+    world, rank = lay.world_size, group.rank()
+    full = scaled_mm(lay.a_2d, b, a_scale, b_scale, out_dtype, use_fast_accum=use_fast_accum)
+    if lay.n_mode:
+        m, n = full.shape[0], full.shape[1] // world
+        full = full.view(m, world, n).transpose(0, 1).reshape(world * m, n)
+    out = full.new_empty(lay.chunk_shape(b.shape[1]))
+    dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    divide_for_avg(out, reduce_op, world)
+    if bias is not None:
+        out.add_(bias_chunk(lay, bias, rank))
+    return lay.restore(out)

@@ -1,0 +1,165 @@
+"""scaled_matmul_reduce_scatter: a float8 scaled matmul whose product is reduce-scattered, each
+rank's partial chunk sent while the next one is computed (row-parallel linear, fp8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asynctp.ops.layout import ScatterLayout, scatter_layout
+from asynctp.ops.pipeline import produce_and_reduce_scatter
+from asynctp.ops.reference import bias_chunk
+from asynctp.ops.scaled_gemm import scaled_matmul_reduce_scatter_serial, scaled_mm
+from asynctp.ops.scales import aligned, check_scaled_matmul_reduce_scatter, column_major, expand_cols, expand_rows
+from asynctp.ops.strategy import choose, eager_call_ok
+from asynctp.ops.tuning import splits_for
+from asynctp.symm import Workspace, resolve_group
+
+__all__ = ["scaled_matmul_reduce_scatter"]
+
+
+def scaled_matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    scatter_dim: int,
+    group: Any,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    reduce_op: str = "sum",
+    use_fast_accum: bool = False,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """Scaled matmul of float8 a and b, reduced over ranks, this rank's chunk along `scatter_dim`.
+
+    Equivalent to the following plain PyTorch code::
+
+        a_2d, scale_2d = (a, a_scale) flattened to 2-D (N-D a: leading dims merged)
+        partial = torch._scaled_mm(a_2d, b, scale_2d, b_scale, out_dtype=out_dtype,
+                                   use_fast_accum=use_fast_accum) reshaped to [..., S, ..., N]
+        out = reduce_scatter(partial, scatter_dim, reduce_op, group)
+        return out + bias (this rank's slice of it when scatter_dim is the last dim)
+
+    Shapes: a [..., S, ..., K] float8_e4m3fn or float8_e5m2 (any dim may be the scatter dim,
+    the last one too: then b's columns are scattered); b [K, N] float8 (weight_fp8.t(),
+    column-major on CUDA); bias [N] of out_dtype, added once after the reduction. Scales are
+    float32 dequantization multipliers: a_scale numel 1 or a.shape[:-1] + (1,) (rowwise; it
+    follows a's rows into each rank's chunk); b_scale numel 1 or (1, N). The partials are
+    rounded to out_dtype (bfloat16 or float32), then reduced in fp32 with one rounding.
+    The scattered size must be divisible by the world size R. The result never aliases a
+    shared buffer.
+
+    strategy: "auto" (measured per shape), "serial" (matmul then collective), "pipeline"
+    (each rank's partial pushed over the symmetric workspace while the next is computed).
+    """
+    pg = resolve_group(group)
+    dim, rowwise = check_scaled_matmul_reduce_scatter(
+        a, b, a_scale, b_scale, scatter_dim, pg.size(), out_dtype, bias, reduce_op, use_fast_accum, strategy
+    )
+    if eager_call_ok(a, b, a_scale, b_scale, bias):
+        return _run(a, b, a_scale, b_scale, dim, rowwise, pg, out_dtype, bias, reduce_op, use_fast_accum, strategy)
+    return torch.ops.asynctp.scaled_matmul_reduce_scatter(
+        a, b, a_scale, b_scale, scatter_dim, pg.group_name, out_dtype, bias, reduce_op, use_fast_accum, strategy
+    )
+
+
+@torch.library.custom_op(
+    "asynctp::scaled_matmul_reduce_scatter",
+    mutates_args=(),
+    schema="(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, int scatter_dim, str group_name, "
+    "ScalarType out_dtype, Tensor? bias, str reduce_op, bool use_fast_accum, str strategy) -> Tensor",
+)
+def _scaled_matmul_reduce_scatter_op(
+    a, b, a_scale, b_scale, scatter_dim, group_name, out_dtype, bias, reduce_op, use_fast_accum, strategy
+):
+    group = resolve_group(group_name)
+    dim, rowwise = check_scaled_matmul_reduce_scatter(
+        a, b, a_scale, b_scale, scatter_dim, group.size(), out_dtype, bias, reduce_op, use_fast_accum, strategy
+    )
+    return _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op, use_fast_accum, strategy)
+
+
+def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op, use_fast_accum, strategy):
+    """The implementation, on validated arguments (dim normalized)."""
+    world = group.size()
+    lay = scatter_layout(a, dim, world)
+    # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
+    a_scale_2d = scatter_layout(a_scale, dim, world).a_2d if rowwise else a_scale
+    b = column_major(b)
+    mode = "rowwise" if rowwise else "tensorwise"
+    shape_key = (f"{str(a.dtype).removeprefix('torch.')}-{mode}", lay.a_2d.shape[0], b.shape[1], b.shape[0])
+    chosen, ws = choose("scaled_matmul_reduce_scatter", strategy, group, a.device, shape_key)
+    if chosen == "serial":
+        return scaled_matmul_reduce_scatter_serial(
+            lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum, group
+        )
+    ws.op = "scaled_matmul_reduce_scatter"
+    # the bf16 op's row-block heuristic: the pipeline is the same
+    splits = splits_for("matmul_reduce_scatter", shape_key, world)
+    return _pipelined(ws, lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum, splits)
+
+
+@_scaled_matmul_reduce_scatter_op.register_fake
+def _(a, b, a_scale, b_scale, scatter_dim, group_name, out_dtype, bias, reduce_op, use_fast_accum, strategy):
+    world = resolve_group(group_name).size()
+    dim, _ = check_scaled_matmul_reduce_scatter(
+        a, b, a_scale, b_scale, scatter_dim, world, out_dtype, bias, reduce_op, use_fast_accum, strategy
+    )
+    lay = scatter_layout(a, dim, world)
+    return lay.restore(a.new_empty(lay.chunk_shape(b.shape[1]), dtype=out_dtype))
+
+
+def _pipelined(
+    ws: Workspace,
+    lay: ScatterLayout,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    reduce_op: str,
+    bias: torch.Tensor | None,
+    use_fast_accum: bool,
+    splits: int,
+) -> torch.Tensor:
+    """a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1])."""
+    chunk_shape = lay.chunk_shape(b.shape[1])
+    m, n = chunk_shape
+    a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
+    # pair the scales once, not per block: _scaled_mm takes rowwise only with per-column
+    any_rowwise = a_rowwise or b_scale.numel() != 1
+    a_fixed = expand_rows(a_scale, lay.a_2d.shape[0]) if (any_rowwise and not a_rowwise) else a_scale
+    if any_rowwise and tuple(b_scale.shape) != (1, b.shape[1]):
+        b_scale = expand_cols(b_scale, b.shape[1])
+
+    def a_rows_scale(row_lo: int, row_hi: int) -> torch.Tensor:
+        if a_rowwise:
+            # a block's scale rows start 4 * row_lo bytes in: off cuBLAS's 16-byte alignment
+            # unless row_lo is a multiple of 4
+            return aligned(a_fixed[row_lo:row_hi])
+        # an expanded tensorwise scale has equal rows: its first ones serve any block
+        return a_fixed[: row_hi - row_lo] if any_rowwise else a_fixed
+
+    def partial(dst: int, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        if lay.n_mode:
+            cols = slice(dst * n, (dst + 1) * n)
+            b_s = aligned(b_scale[:, cols]) if b_scale.numel() != 1 else b_scale
+            return scaled_mm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out_dtype,
+                             use_fast_accum=use_fast_accum, out=out)
+        row0 = dst * m
+        return scaled_mm(lay.a_2d[row0 + lo : row0 + hi], b, a_rows_scale(row0 + lo, row0 + hi), b_scale,
+                         out_dtype, use_fast_accum=use_fast_accum, out=out)
+
+    def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
+        if acc is None:
+            partial(dst, lo, hi, out)
+        else:
+            # _scaled_mm has no beta: the received partial is added after, in fp32, rounded once
+            torch.add(acc, partial(dst, lo, hi, torch.empty_like(out)), out=out)
+
+    out = produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits)
+    if bias is not None:
+        out.add_(bias_chunk(lay, bias, ws.rank))
+    return lay.restore(out)

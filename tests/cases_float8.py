@@ -1,0 +1,420 @@
+"""Rank-side test bodies for the fp8 ops and recipes, shared by tests/dist (gloo) and tests/gpu.
+
+Exact cases: fp8 values in {-1, 0, 1} (exact in e4m3 and e5m2), power-of-two scales (a in {1, 2},
+b in {1/2, 1}) and K = 16 per block keep every product, partial sum and bias sum exactly
+representable in bfloat16 and float32, so results are compared with a float64 reference of the
+dequantized inputs using torch.equal. Every rank builds every rank's inputs from seeds.
+Random cases (the recipes): SQNR against the high-precision matmul, and pipeline == serial.
+
+Every exact case runs under `checked_scaled_mm`, which wraps torch._scaled_mm and asserts the
+rules cuBLAS enforces on CUDA (scales paired, float32, contiguous, 16-byte aligned), so the CPU
+tier catches what would only crash on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from asynctp.float8 import Float8Recipe, quantize_activation, quantize_weight
+from asynctp.ops.all_gather_scaled_matmul import all_gather_scaled_matmul
+from asynctp.ops.scaled_matmul_reduce_scatter import scaled_matmul_reduce_scatter
+from tests.cases import ints, shard_shape, world
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# (a_scale mode, b_scale mode): every pairing, mixed ones included
+SCALE_MODES = (("tensorwise", "tensorwise"), ("rowwise", "per_column"), ("rowwise", "tensorwise"),
+               ("tensorwise", "per_column"))
+K_BLOCK = 16  # torch._scaled_mm on CUDA wants K and N multiples of 16
+
+
+def fp8_ints(shape, seed: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return ints(shape, seed, torch.float32, device, low=-1, high=2).to(dtype)
+
+
+def pow2(shape, seed: int, choices: tuple[float, ...], device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(choices), tuple(shape), generator=g)
+    return torch.tensor(choices, dtype=torch.float32)[idx].to(device)
+
+
+def weight_t(n: int, k: int, seed: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """b = w.t() of a contiguous (N, K) weight: column-major, as cuBLAS wants."""
+    return fp8_ints((n, k), seed, dtype, device).t()
+
+
+def deq(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = scale.double()
+    return x_fp8.double() * (s.reshape(()) if s.numel() == 1 and s.ndim != x_fp8.ndim else s)
+
+
+def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    return torch.equal(x.reshape(-1).contiguous().view(torch.uint8), y.reshape(-1).contiguous().view(torch.uint8))
+
+
+@contextlib.contextmanager
+def checked_scaled_mm() -> Iterator[list[int]]:
+    """torch._scaled_mm, asserting cuBLAS's rules on every call; yields a call counter."""
+    real = torch._scaled_mm
+    calls = [0]
+
+    def checked(a, b, scale_a, scale_b, *args, **kwargs):
+        m, n = a.shape[0], b.shape[1]
+        assert a.is_contiguous(), "a must be row-major"
+        if a.device.type == "cuda":
+            assert b.stride(0) == 1, f"b must be column-major, got strides {b.stride()}"
+        for s in (scale_a, scale_b):
+            assert s.dtype == torch.float32
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            assert tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n), (scale_a.shape, scale_b.shape)
+            for s in (scale_a, scale_b):
+                assert s.is_contiguous() and s.data_ptr() % 16 == 0, f"misaligned scale at {s.data_ptr() % 16}"
+        if kwargs.get("bias") is not None:
+            assert kwargs.get("out_dtype") != torch.float32, "cuBLAS refuses bias with a float32 output"
+        calls[0] += 1
+        return real(a, b, scale_a, scale_b, *args, **kwargs)
+
+    torch._scaled_mm = checked
+    try:
+        yield calls
+    finally:
+        torch._scaled_mm = real
+
+
+def _a_scales(mode: str, shapes: list, seed: int, device: str) -> list[torch.Tensor]:
+    if mode == "rowwise":
+        return [pow2((*s[:-1], 1), seed + r, (1.0, 2.0), device) for r, s in enumerate(shapes)]
+    one = pow2((), seed, (1.0, 2.0), device)  # tensorwise: the same on every rank
+    return [one.clone() for _ in shapes]
+
+
+def _b_scale(mode: str, n: int, seed: int, device: str) -> torch.Tensor:
+    if mode == "per_column":
+        return pow2((1, n), seed, (0.5, 1.0), device)
+    return pow2((), seed, (0.5, 1.0), device)
+
+
+def check_ag(device: str, *, ndim: int, gather_dim: int, a_mode: str, b_mode: str, out_dtype: torch.dtype,
+             num_bs: int, with_bias: bool, return_a: bool, strategy: str, seed: int,
+             a_dtype: torch.dtype = E4M3, b_dtype: torch.dtype = E4M3, shape: list | None = None) -> None:
+    rank, ws = world()
+    k_mode = gather_dim % ndim == ndim - 1
+    k = K_BLOCK * ws if k_mode else K_BLOCK
+    shape = shape or shard_shape(ndim, gather_dim, ws, k)
+    shards = [fp8_ints(shape, seed * 100 + r, a_dtype, device) for r in range(ws)]
+    a_scales = _a_scales(a_mode, [shape] * ws, seed * 100 + 20, device)
+    ns = [16 * (i + 1) for i in range(num_bs)]
+    bs = [weight_t(n, k, seed * 100 + 50 + i, b_dtype, device) for i, n in enumerate(ns)]
+    b_scales = [_b_scale(b_mode, n, seed * 100 + 60 + i, device) for i, n in enumerate(ns)]
+    biases = [ints((n,), seed * 100 + 80 + i, out_dtype, device) if with_bias else None for i, n in enumerate(ns)]
+    a_g, outs = all_gather_scaled_matmul(
+        shards[rank], bs, a_scales[rank], b_scales, gather_dim, dist.group.WORLD, out_dtype=out_dtype,
+        biases=biases if with_bias else None, return_a=return_a, strategy=strategy,
+    )
+    label = (f"ag ndim={ndim} dim={gather_dim} shape={shape} a={a_mode} b={b_mode} out={out_dtype} "
+             f"bs={num_bs} bias={with_bias} {a_dtype}x{b_dtype} {strategy}")
+    a_full = torch.cat([deq(s, sc) for s, sc in zip(shards, a_scales)], dim=gather_dim)
+    if return_a:
+        assert a_g is not None and same_bytes(a_g, torch.cat(shards, dim=gather_dim)), label
+    else:
+        assert a_g is None, label
+    assert len(outs) == num_bs, label
+    for o, b, s, bias in zip(outs, bs, b_scales, biases):
+        ref = a_full @ deq(b, s)
+        ref = (ref + bias.double() if bias is not None else ref).to(out_dtype)
+        assert o.shape == ref.shape and o.dtype == ref.dtype, f"{label}: {o.shape} {o.dtype} vs {ref.shape} {ref.dtype}"
+        assert torch.equal(o, ref), f"{label}: max diff {(o.double() - ref.double()).abs().max()}"
+
+
+def check_rs(device: str, *, ndim: int, scatter_dim: int, a_mode: str, b_mode: str, out_dtype: torch.dtype,
+             with_bias: bool, reduce_op: str, strategy: str, seed: int, a_dtype: torch.dtype = E4M3,
+             b_dtype: torch.dtype = E4M3, shape: list | None = None) -> None:
+    rank, ws = world()
+    k, n = K_BLOCK, 16 * ws
+    if shape is None:
+        shape = [2 * ws, 3, 5][: ndim - 1] + [k]
+        if scatter_dim % ndim != ndim - 1:
+            shape[scatter_dim % ndim] = ws * (scatter_dim % ndim + 1)
+    parts_a = [fp8_ints(shape, seed * 100 + r, a_dtype, device) for r in range(ws)]
+    if a_mode == "rowwise":
+        a_scales = _a_scales(a_mode, [shape] * ws, seed * 100 + 20, device)
+    else:  # tensorwise scales may differ per rank here: partials are dequantized before the sum
+        a_scales = [pow2((), seed * 100 + 20 + r, (1.0, 2.0), device) for r in range(ws)]
+    parts_b = [weight_t(n, k, seed * 100 + 40 + r, b_dtype, device) for r in range(ws)]
+    b_scales = [_b_scale(b_mode, n, seed * 100 + 60 + r, device) for r in range(ws)]
+    bias = ints((n,), seed * 100 + 90, out_dtype, device) if with_bias else None
+    out = scaled_matmul_reduce_scatter(
+        parts_a[rank], parts_b[rank], a_scales[rank], b_scales[rank], scatter_dim, dist.group.WORLD,
+        out_dtype=out_dtype, bias=bias, reduce_op=reduce_op, strategy=strategy,
+    )
+    total = sum(deq(a, sa) @ deq(b, sb) for a, sa, b, sb in zip(parts_a, a_scales, parts_b, b_scales))
+    if reduce_op == "avg":
+        total = total / ws
+    ref = total.chunk(ws, dim=scatter_dim)[rank]
+    if bias is not None:
+        ref = ref + (bias.double().chunk(ws)[rank] if scatter_dim % ndim == ndim - 1 else bias.double())
+    ref = ref.to(out_dtype)
+    # avg over R = 3 is inexact: the mean is rounded to out_dtype before the bias is added (one
+    # rounding more than the reference); everything else is exact
+    rtol = torch.finfo(out_dtype).eps if (reduce_op == "avg" and ws & (ws - 1)) else 0.0
+    atol = rtol * float(total.abs().max())
+    label = (f"rs ndim={ndim} dim={scatter_dim} shape={shape} a={a_mode} b={b_mode} out={out_dtype} "
+             f"bias={with_bias} {reduce_op} {a_dtype}x{b_dtype} {strategy}")
+    assert out.shape == ref.shape and out.dtype == ref.dtype, f"{label}: {out.shape} {out.dtype} vs {ref.shape}"
+    if rtol:
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, msg=label)
+    else:
+        assert torch.equal(out, ref), f"{label}: max diff {(out.double() - ref.double()).abs().max()}"
+
+
+def _dtypes(count: int) -> tuple[torch.dtype, torch.dtype]:
+    """Mostly e4m3 x e4m3, now and then one e5m2 operand (never both: no such cuBLAS GEMM)."""
+    return {3: (E5M2, E4M3), 6: (E4M3, E5M2)}.get(count % 7, (E4M3, E4M3))
+
+
+def all_gather_scaled_grid(device: str, strategy: str) -> int:
+    """Every scale pairing x 2-D/3-D x every gather dim (and -1) x bf16/fp32 outputs."""
+    count = 0
+    with checked_scaled_mm() as calls:
+        for a_mode, b_mode in SCALE_MODES:
+            for ndim in (2, 3):
+                for gather_dim in list(range(ndim)) + [-1]:
+                    for out_dtype in OUT_DTYPES.values():
+                        v = count % 4
+                        a_dtype, b_dtype = _dtypes(count)
+                        check_ag(device, ndim=ndim, gather_dim=gather_dim, a_mode=a_mode, b_mode=b_mode,
+                                 out_dtype=out_dtype, num_bs=1 + v % 2, with_bias=v in (1, 2), return_a=v != 3,
+                                 strategy=strategy, seed=count, a_dtype=a_dtype, b_dtype=b_dtype)
+                        count += 1
+    assert calls[0] >= count
+    return count
+
+
+def scaled_matmul_reduce_scatter_grid(device: str, strategy: str) -> int:
+    """Every scale pairing x 2-D/3-D x every scatter dim (and -1) x bf16/fp32 x sum/avg."""
+    count = 0
+    with checked_scaled_mm() as calls:
+        for a_mode, b_mode in SCALE_MODES:
+            for ndim in (2, 3):
+                for scatter_dim in list(range(ndim)) + [-1]:
+                    for out_dtype in OUT_DTYPES.values():
+                        v = count % 4
+                        a_dtype, b_dtype = _dtypes(count)
+                        check_rs(device, ndim=ndim, scatter_dim=scatter_dim, a_mode=a_mode, b_mode=b_mode,
+                                 out_dtype=out_dtype, with_bias=v in (1, 2), reduce_op="avg" if v >= 2 else "sum",
+                                 strategy=strategy, seed=count, a_dtype=a_dtype, b_dtype=b_dtype)
+                        count += 1
+    assert calls[0] >= count
+    return count
+
+
+def alignment_cases(device: str) -> int:
+    """Rowwise scales with m rows per chunk, m = 1..8: a chunk's scale slice starts 4 * m * src
+    bytes in, off cuBLAS's 16-byte rule unless m % 4 == 0. Also scales the caller passes as a
+    misaligned view or a stride-0 expansion. checked_scaled_mm fails any misaligned call."""
+    rank, ws = world()
+    count = 0
+    with checked_scaled_mm():
+        for m in range(1, 9):
+            for strategy in ("pipeline", "serial"):
+                check_ag(device, ndim=2, gather_dim=0, a_mode="rowwise", b_mode="per_column",
+                         out_dtype=torch.bfloat16, num_bs=1, with_bias=m % 2 == 0, return_a=True,
+                         strategy=strategy, seed=200 + m, shape=[m, K_BLOCK])
+                check_ag(device, ndim=3, gather_dim=-1, a_mode="rowwise", b_mode="tensorwise",
+                         out_dtype=torch.float32, num_bs=1, with_bias=False, return_a=False,
+                         strategy=strategy, seed=300 + m, shape=[m, 1, K_BLOCK])
+                check_rs(device, ndim=2, scatter_dim=0, a_mode="rowwise", b_mode="per_column",
+                         out_dtype=torch.bfloat16, with_bias=m % 2 == 1, reduce_op="sum",
+                         strategy=strategy, seed=400 + m, shape=[m * ws, K_BLOCK])
+                check_rs(device, ndim=3, scatter_dim=1, a_mode="rowwise", b_mode="tensorwise",
+                         out_dtype=torch.float32, with_bias=False, reduce_op="sum",
+                         strategy=strategy, seed=500 + m, shape=[1, m * ws, K_BLOCK])
+                count += 4
+        # caller-made scales: a slice 4 bytes off alignment, and a stride-0 expansion
+        a = fp8_ints((3, K_BLOCK), rank, E4M3, device)
+        b = weight_t(16, K_BLOCK, 9, E4M3, device)
+        b_scale = torch.ones((1, 16), device=device)
+        backing = torch.ones(8, device=device)
+        for a_scale in (backing[1:4].view(3, 1), torch.ones((), device=device).expand(3, 1)):
+            _, (o,) = all_gather_scaled_matmul(a, [b], a_scale, [b_scale], 0, dist.group.WORLD, strategy="pipeline")
+            full = torch.cat([fp8_ints((3, K_BLOCK), r, E4M3, device) for r in range(ws)])
+            assert torch.equal(o, (full.double() @ b.double()).to(torch.bfloat16))
+            count += 1
+    return count
+
+
+def bad_inputs(device: str) -> list[str]:
+    """Each bad call raises the documented error on every rank before any communication; the
+    group works afterwards. Returns the messages (the test checks they agree across ranks)."""
+    import pytest
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    a = fp8_ints((4, 16), rank, E4M3, device)
+    b = weight_t(16, 16, 7, E4M3, device)
+    s = torch.ones((), device=device)
+    s_row = torch.ones((4, 1), device=device)
+    s_col = torch.ones((1, 16), device=device)
+    a6 = fp8_ints((6, 16), rank, E4M3, device)  # 6 rows: divisible by R = 2 and 3
+    ag, rs = all_gather_scaled_matmul, scaled_matmul_reduce_scatter
+    cases = [
+        (TypeError, "a_shard requires a float8 dtype", lambda: ag(a.float(), [b], s, [s], 0, g)),
+        (TypeError, "bs[0] requires a float8 dtype", lambda: ag(a, [b.float()], s, [s], 0, g)),
+        (TypeError, "a_scale requires dtype torch.float32", lambda: ag(a, [b], s.double(), [s], 0, g)),
+        (TypeError, "a_scale requires dtype torch.float32", lambda: ag(a, [b], s_row.bfloat16(), [s], 0, g)),
+        (ValueError, "a_scale requires numel 1 (tensorwise) or shape (4, 1)", lambda: ag(a, [b], s_row[:3], [s], 0, g)),
+        (ValueError, "a_scale requires numel 1 (tensorwise) or shape (4, 1)", lambda: ag(a, [b], s_row.t(), [s], 0, g)),
+        (ValueError, "b_scales[0] requires numel 1 (tensorwise) or shape (1, 16)", lambda: ag(a, [b], s, [s_col.t()], 0, g)),
+        (ValueError, "b_scales requires one scale per b (1), got 2", lambda: ag(a, [b], s, [s, s], 0, g)),
+        (TypeError, "b_scales requires a list", lambda: ag(a, [b], s, s, 0, g)),
+        (ValueError, "shape[0] == K = 16", lambda: ag(a, [b[:8]], s, [s], 0, g)),
+        (ValueError, f"shape[0] == K = {16 * ws}", lambda: ag(a, [b], s, [s], 1, g)),
+        (ValueError, "out_dtype requires one of", lambda: ag(a, [b], s, [s], 0, g, out_dtype=torch.float16)),
+        (TypeError, "out_dtype requires a torch.dtype", lambda: ag(a, [b], s, [s], 0, g, out_dtype="bf16")),
+        (TypeError, "biases[0] requires dtype torch.float32 (out_dtype)",
+         lambda: ag(a, [b], s, [s], 0, g, out_dtype=torch.float32, biases=[torch.zeros(16, dtype=torch.bfloat16, device=device)])),
+        (ValueError, "biases[0] requires shape (16,)", lambda: ag(a, [b], s, [s], 0, g, biases=[torch.zeros(8, dtype=torch.bfloat16, device=device)])),
+        (TypeError, "no e5m2 x e5m2 GEMM", lambda: ag(a.to(E5M2), [b.to(E5M2)], s, [s], 0, g)),
+        (ValueError, "gather_dim requires a dim in [-2, 1]", lambda: ag(a, [b], s, [s], 2, g)),
+        (TypeError, "use_fast_accum requires a bool", lambda: ag(a, [b], s, [s], 0, g, use_fast_accum=1)),
+        (ValueError, "strategy requires one of", lambda: ag(a, [b], s, [s], 0, g, strategy="fast")),
+        (TypeError, "ProcessGroup or its name", lambda: ag(a, [b], s, [s], 0, 3)),
+        (TypeError, "a requires a float8 dtype", lambda: rs(a6.bfloat16(), b, s, s, 0, g)),
+        (ValueError, "a_scale requires numel 1 (tensorwise) or shape (6, 1)", lambda: rs(a6, b, s_row[:2], s, 0, g)),
+        (ValueError, "b_scale requires numel 1 (tensorwise) or shape (1, 16)", lambda: rs(a6, b, s, s_col[:, :8], 0, g)),
+        (TypeError, "b_scale requires dtype torch.float32", lambda: rs(a6, b, s, s_col.half(), 0, g)),
+        (ValueError, "shape[0] == K = 16", lambda: rs(a6, b[:8], s, s, 0, g)),
+        (ValueError, f"divisible by the world size {ws}", lambda: rs(a6[: ws + 1], b, s, s, 0, g)),
+        (ValueError, "reduce_op requires one of", lambda: rs(a6, b, s, s, 0, g, reduce_op="max")),
+        (TypeError, "bias requires dtype torch.bfloat16 (out_dtype)", lambda: rs(a6, b, s, s, 0, g, bias=torch.zeros(16, device=device))),
+        (ValueError, "out_dtype requires one of", lambda: rs(a6, b, s, s, 0, g, out_dtype=E4M3)),
+    ]
+    if device == "cuda":
+        cases += [
+            (ValueError, "requires device", lambda: ag(a, [b], s.cpu(), [s], 0, g)),
+            (ValueError, "K (a_shard's last dim) requires a multiple of 16",
+             lambda: ag(a[:, :8].contiguous(), [b[:8]], s, [s], 0, g)),
+            (ValueError, "N (b's last dim) requires a multiple of 16", lambda: rs(a6, b[:, :8], s, s, 0, g)),
+        ]
+    messages = []
+    for exc_type, text, call in cases:
+        with pytest.raises(exc_type) as info:
+            call()
+        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
+        messages.append(str(info.value))
+    # the group still works, for both ops
+    a_g, (o,) = ag(a, [b], s, [s], 0, g)
+    assert same_bytes(a_g, torch.cat([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)]))
+    assert rs(a6, b, s, s, 0, g).shape == (6 // ws, 16)
+    return messages
+
+
+# opcheck's test_schema compares inputs with torch.allclose, which has no float8 kernel; the
+# same property (inputs unchanged, outputs alias no input) is checked by _check_schema instead
+_OPCHECK_TESTS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _flat(args) -> list[torch.Tensor]:
+    out = []
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(_flat(x))
+    return out
+
+
+def _check_schema(op, args) -> None:
+    inputs = _flat(args)
+    before = [t.clone() for t in inputs]
+    outputs = _flat([op(*args)])
+    for t, copy in zip(inputs, before):
+        assert same_bytes(t, copy), f"{op} mutated an input"
+    storages = {t.untyped_storage().data_ptr() for t in inputs}
+    assert not any(o.untyped_storage().data_ptr() in storages for o in outputs), f"{op} output aliases an input"
+
+
+def _opcheck(op, args) -> None:
+    torch.library.opcheck(op, args, test_utils=_OPCHECK_TESTS)
+    _check_schema(op, args)
+
+
+def opcheck_ops(device: str) -> None:
+    rank, ws = world()
+    g = dist.group.WORLD.group_name
+    a = fp8_ints((4, 16), rank, E4M3, device)
+    b = weight_t(16, 16, 7, E4M3, device)
+    s = torch.ones((), device=device)
+    s_row = pow2((4, 1), rank, (1.0, 2.0), device)
+    s_col = pow2((1, 16), 3, (0.5, 1.0), device)
+    bias = ints((16,), 5, torch.bfloat16, device)
+    ag = torch.ops.asynctp.all_gather_scaled_matmul.default
+    rs = torch.ops.asynctp.scaled_matmul_reduce_scatter.default
+    _opcheck(ag, (a, [b], s_row, [s_col], 0, g, torch.bfloat16, [bias], False, True, "pipeline"))
+    b_k = weight_t(16, 16 * ws, 8, E4M3, device)  # gather along K
+    _opcheck(ag, (a, [b_k], s_row, [s], 1, g, torch.float32, [None], False, True, "pipeline"))
+    a3 = fp8_ints((2 * ws, 3, 16), rank, E4M3, device)
+    s3 = pow2((2 * ws, 3, 1), rank, (1.0, 2.0), device)
+    b_n = weight_t(16 * ws, 16, 9, E4M3, device)  # scatter along N: N = R * 16
+    _opcheck(rs, (a3, b, s3, s_col, 0, g, torch.bfloat16, bias, "avg", False, "pipeline"))
+    _opcheck(rs, (a3, b_n, s3, s, 2, g, torch.float32, None, "sum", False, "pipeline"))
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
+
+
+def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, float]:
+    """Both recipes on random normal bf16 data through both ops: SQNR against the bf16-input matmul
+    (computed in fp32) >= 25 dB; the pipeline equals the serial strategy; tensorwise scales agree
+    over the group although each rank's shard differs. Returns the SQNRs (dB) by case."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    result = {}
+    for name in ("tensorwise", "rowwise"):
+        recipe = Float8Recipe.from_name(name)
+        torch.manual_seed(10 + rank)
+        x_shard = (torch.randn(2, m // 2, k, device=device) * (1 + rank)).bfloat16()  # different amax per rank
+        torch.manual_seed(99)
+        w = (torch.randn(n, k, device=device) / k**0.5).bfloat16()
+        x_fp8, x_scale = quantize_activation(x_shard, recipe, g)
+        w_fp8, w_scale = quantize_weight(w, recipe)
+        scales = [torch.empty_like(x_scale) for _ in range(ws)]
+        dist.all_gather(scales, x_scale.contiguous(), group=g)
+        if name == "tensorwise":
+            assert all(torch.equal(sc, scales[0]) for sc in scales), "tensorwise scales differ across ranks"
+        xs = [torch.empty_like(x_shard) for _ in range(ws)]
+        dist.all_gather(xs, x_shard, group=g)
+        for gather_dim in (0, 1):
+            kw = dict(use_fast_accum=recipe.use_fast_accum)
+            _, (o_p,) = all_gather_scaled_matmul(x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g,
+                                                 strategy="pipeline", **kw)
+            _, (o_s,) = all_gather_scaled_matmul(x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g,
+                                                 strategy="serial", **kw)
+            torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=1e-2)
+            ref = torch.cat(xs, dim=gather_dim).float() @ w.float().t()
+            result[f"ag-{name}-dim{gather_dim}"] = sqnr(ref, o_p)
+        # row-parallel: x and w sharded over K; x is not gathered, so no agreement is needed
+        torch.manual_seed(1234)
+        x_full = torch.randn(2 * ws, 16 * ws, k * ws, device=device).bfloat16()
+        w_full = (torch.randn(n, k * ws, device=device) / (k * ws) ** 0.5).bfloat16()
+        x_r, w_r = x_full[..., rank * k : (rank + 1) * k], w_full[:, rank * k : (rank + 1) * k]
+        x_fp8, x_scale = quantize_activation(x_r, recipe, None)
+        w_fp8, w_scale = quantize_weight(w_r, recipe)
+        full_ref = x_full.float() @ w_full.float().t()
+        for scatter_dim in (0, 1):
+            o_p = scaled_matmul_reduce_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g, strategy="pipeline")
+            o_s = scaled_matmul_reduce_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g, strategy="serial")
+            torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=1e-2)
+            result[f"rs-{name}-dim{scatter_dim}"] = sqnr(full_ref.chunk(ws, dim=scatter_dim)[rank], o_p)
+    low = {key: v for key, v in result.items() if v < 25}
+    assert not low, f"SQNR below 25 dB: {low}"
+    return result
+
