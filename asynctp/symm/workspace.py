@@ -51,12 +51,28 @@ def group_name_of(group: Any) -> str:
     return resolve_group(group).group_name
 
 
+class _Switch:
+    """Make `stream` current for a block of work, then return to the caller's stream. Cheaper
+    than torch.cuda.stream(): no torch.cuda.current_stream() query (tens of microseconds each)."""
+
+    def __init__(self, lanes: Lanes, stream: torch.cuda.Stream) -> None:
+        self.lanes, self.stream = lanes, stream
+
+    def __enter__(self) -> None:
+        self.lanes.active = self.stream
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        self.lanes.active = self.lanes.caller
+        torch.cuda.set_stream(self.lanes.caller)
+
+
 class Lanes:
     """The streams of one pipelined call: the caller's, a second compute stream, a copy stream.
 
     On CPU every method is a no-op and work runs in program order, so the same pipeline code
-    serves both backends. Contexts and events are made once and reused: the pipelines run in
-    eager mode, where host overhead per call is what decides whether the GPU ever idles.
+    serves both backends. Stream switches and events are made once and reused: the pipelines
+    run in eager mode, where host time per call decides whether the GPU ever idles.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -64,39 +80,40 @@ class Lanes:
         self._null = contextlib.nullcontext()
         self._events: list[Any] = []
         self._next_event = 0
+        self.caller: Any = None  # the caller's stream, set by fork()
+        self.active: Any = None  # the stream work is being queued on
         if self.is_cuda:
             with torch.cuda.device(device):
                 # High priority: otherwise CUDA may start the next matmul before the copy the
                 # matmul after it needs, and the pipeline stalls on that copy.
                 self.copy_stream = torch.cuda.Stream(priority=-1)
                 self.side_stream = torch.cuda.Stream()
-            self._copy_ctx = torch.cuda.StreamContext(self.copy_stream)
-            self._side_ctx = torch.cuda.StreamContext(self.side_stream)
+            self._copy = _Switch(self, self.copy_stream)
+            self._side = _Switch(self, self.side_stream)
 
     def fork(self) -> None:
         """Side streams start after everything queued so far on the caller's stream."""
         self._next_event = 0
         if self.is_cuda:
-            cur = torch.cuda.current_stream()
-            self.copy_stream.wait_stream(cur)
-            self.side_stream.wait_stream(cur)
+            self.caller = self.active = torch.cuda.current_stream()
+            self.copy_stream.wait_stream(self.caller)
+            self.side_stream.wait_stream(self.caller)
 
     def join(self) -> None:
         """The caller's stream continues after all side work."""
         if self.is_cuda:
-            cur = torch.cuda.current_stream()
-            cur.wait_stream(self.copy_stream)
-            cur.wait_stream(self.side_stream)
+            self.caller.wait_stream(self.copy_stream)
+            self.caller.wait_stream(self.side_stream)
 
     def copy(self) -> contextlib.AbstractContextManager:
-        return self._copy_ctx if self.is_cuda else self._null
+        return self._copy if self.is_cuda else self._null
 
     def compute(self, step: int) -> contextlib.AbstractContextManager:
         """Even steps on the caller's stream, odd ones on the side stream."""
-        return self._side_ctx if (self.is_cuda and step % 2 == 1) else self._null
+        return self._side if (self.is_cuda and step % 2 == 1) else self._null
 
     def mark(self) -> Any:
-        """An event recorded on the current stream (None on CPU). Events are reused from call to
+        """An event recorded on the active stream (None on CPU). Events are reused from call to
         call: a wait already enqueued is not affected by a later record."""
         if not self.is_cuda:
             return None
@@ -104,13 +121,13 @@ class Lanes:
             self._events.append(torch.cuda.Event())
         event = self._events[self._next_event]
         self._next_event += 1
-        event.record()
+        event.record(self.active)
         return event
 
     def wait(self, event: Any) -> None:
-        """The current stream waits for `event`."""
+        """The active stream waits for `event`."""
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            self.active.wait_event(event)
 
 
 class Workspace(abc.ABC):
