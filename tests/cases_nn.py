@@ -278,3 +278,46 @@ def bad_plans(device: str) -> list[str]:
         assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
         messages.append(str(info.value))
     return messages
+
+
+# ---------------------------------------------------------------- float8
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.double(), got.double()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - got).pow(2).mean().clamp(min=1e-30)))
+
+
+def float8_linears(device: str, recipe: str, dtype_name: str) -> dict[str, float]:
+    """Both linears with an fp8 recipe vs the same calls in high precision: outputs and grads
+    by signal-to-noise ratio (dB); returns the lowest per tensor."""
+    rank, ws = world()
+    dtype = DTYPES[dtype_name]
+    g = dist.group.WORLD
+    worst: dict[str, float] = {}
+    for dim in (0, 1, 2):
+        gen = torch.Generator().manual_seed(10 * dim + rank)
+        k = 16 * ws  # fp8 GEMMs want K and N multiples of 16, also per rank when gathering K
+        shape = [2, 4, k] if dim != 2 else [2, 4, k // ws]
+        if dim != 2:
+            shape[dim] *= 2
+        x_hp = torch.randn(shape, generator=gen).to(dtype).to(device)
+        w1 = (torch.randn(3 * 16, k, generator=gen) / 8).to(dtype).to(device)
+        w2 = (torch.randn(16, k, generator=gen) / 8).to(dtype).to(device)
+        b1 = torch.randn(48, generator=gen).to(dtype).to(device)
+        w_row = (torch.randn(16 * ws, 48, generator=gen) / 8).to(dtype).to(device)
+        b_row = torch.randn(16 * ws, generator=gen).to(dtype).to(device)
+        results = {}
+        for float8 in (None, recipe):
+            leaves = [t.clone().requires_grad_() for t in (x_hp, w1, w2, b1, w_row, b_row)]
+            x, a, c, b, wr, br = leaves
+            h1, h2 = all_gather_linear(x, [a, c], [b, None], group=g, gather_dim=dim, float8=float8)
+            y = linear_reduce_scatter(h1 * torch.sigmoid(h1), wr, br, group=g, scatter_dim=dim, float8=float8)
+            loss = (y.float() ** 2).sum() + h2.float().sum()
+            loss.backward()
+            results[float8] = [y.detach()] + [t.grad for t in leaves]
+        names = ["out", "grad_x", "grad_w1", "grad_w2", "grad_b1", "grad_w_row", "grad_b_row"]
+        for name, ref, got in zip(names, results[None], results[recipe]):
+            assert got.dtype == ref.dtype and got.shape == ref.shape, name
+            worst[name] = min(worst.get(name, 1e9), _sqnr(ref, got))
+    return worst

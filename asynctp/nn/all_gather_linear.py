@@ -50,7 +50,7 @@ def all_gather_linear(
     (fused QKV, w1 + w3; the result is then a list). bias: None, a tensor (N,), or a list with
     one entry (tensor or None) per weight. gather_dim may be any dim of x_shard, the last too
     (then K = R * x_shard.shape[-1]). float8: None or a recipe from asynctp.float8 (or its name,
-    "rowwise" / "tensorwise"). The gradient of x_shard is the full gradient of this rank's
+    "rowwise" / "tensorwise"): forward and dgrad matmuls in fp8, wgrad in x_shard's dtype. The gradient of x_shard is the full gradient of this rank's
     shard (reduce-scattered over the group); weight and bias gradients are those of the local
     shards. save_gathered_input: keep the gathered input for wgrad instead of re-gathering it.
     """
@@ -60,6 +60,8 @@ def all_gather_linear(
     dim = _check(x_shard, weights, biases, gather_dim, world_size)
     if not isinstance(save_gathered_input, bool):
         raise TypeError(f"save_gathered_input requires a bool, got {type(save_gathered_input).__name__}")
+    if save_gathered_input and float8 is not None:
+        raise ValueError(f"save_gathered_input=True requires float8=None (the fp8 forward gathers fp8 data), got float8={float8!r}")
     config = _Config(group_name, dim, len(weights), save_gathered_input, strategy, resolve_float8(float8))
     outs = _AllGatherLinear.apply(config, x_shard, *weights, *biases)
     return list(outs) if is_list else outs[0]

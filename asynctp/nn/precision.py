@@ -1,52 +1,148 @@
-"""Float8 matmuls of the linears: which recipe, and how each of the four fused matmuls quantizes."""
+"""Float8 matmuls of the linears: which recipe, and how each of the four fused matmuls quantizes.
+
+Per linear (recipe from asynctp.float8, current scaling):
+    forward   x: recipe.activation_dtype, weight: recipe.weight_dtype   (scaled fused op)
+    dgrad     grad_out: recipe.grad_dtype, weight: recipe.weight_dtype  (scaled fused op)
+    wgrad     in the input precision (the column-parallel input re-gathered in high precision;
+              the row-parallel output grad dequantized after its fp8 gather)
+Tensorwise scales of a tensor that is gathered are agreed over the group (amax all-reduced);
+rowwise scales travel with their rows. Weights are quantized per output feature for the forward
+(b = w_fp8.t(), per-column scale) and per input feature for dgrad (b = w, per-column scale).
+"""
 
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
-_NEEDED = ("Float8Recipe", "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter")
+# (module, names) the fp8 path needs; checked when a recipe is given, so a missing piece is a
+# clear ValueError at the call that asked for fp8, not an AttributeError deep in backward
+_NEEDED = (
+    ("asynctp.float8", ("Float8Recipe", "quantize_activation", "quantize_weight")),
+    ("asynctp.float8.quantize", ("amax_to_scale", "to_float8")),
+    ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul",)),
+    ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
+)
 
 
 def resolve_float8(float8: Any) -> Float8Matmuls | None:
     """None, a recipe from asynctp.float8, or a recipe name -> the matmuls (None: high precision)."""
     if float8 is None:
         return None
-    try:
-        module = importlib.import_module("asynctp.float8")
-    except ImportError as exc:
-        raise ValueError(f"float8 requires the module asynctp.float8, which is missing ({exc})") from None
-    missing = [name for name in _NEEDED if not hasattr(module, name)]
-    if missing:
-        raise ValueError(
-            f"float8 requires asynctp.float8 to provide {', '.join(_NEEDED)}; this installation lacks "
-            f"{', '.join(missing)} (use float8=None)"
-        )
-    recipe = module.Float8Recipe.from_name(float8) if isinstance(float8, str) else float8
-    if not isinstance(recipe, module.Float8Recipe):
+    found: dict[str, Any] = {}
+    for module_name, names in _NEEDED:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"float8 requires the module {module_name}, which is missing ({exc}); use float8=None") from None
+        missing = [n for n in names if not hasattr(module, n)]
+        if missing:
+            raise ValueError(f"float8 requires {module_name} to provide {', '.join(missing)}, which it lacks; use float8=None")
+        found.update({n: getattr(module, n) for n in names})
+    recipe_cls = found["Float8Recipe"]
+    recipe = recipe_cls.from_name(float8) if isinstance(float8, str) else float8
+    if not isinstance(recipe, recipe_cls):
         raise TypeError(f"float8 requires None, a recipe name or an asynctp.float8.Float8Recipe, got {type(float8).__name__}")
-    return Float8Matmuls(module, recipe)
+    return Float8Matmuls(recipe, found)
 
 
 class Float8Matmuls:
-    """The fp8 versions of the forward and dgrad matmuls (wgrad stays in the input precision)."""
+    """The fp8 versions of the forward and dgrad matmuls of both linears."""
 
-    def __init__(self, module: Any, recipe: Any) -> None:
-        self.module = module
+    def __init__(self, recipe: Any, api: dict[str, Any]) -> None:
         self.recipe = recipe
+        self.api = types.SimpleNamespace(**api)
+        self.rowwise = recipe.scaling == "rowwise"
+
+    # ------------------------------------------------------------------ column-parallel
 
     def all_gather_linear(self, x_shard: torch.Tensor, weights: list[torch.Tensor], biases: list, config: Any):
-        raise ValueError("float8 requires asynctp.float8, which is not integrated yet")
+        """(None, outs): outs[i] = x_gathered @ weights[i].t() + biases[i], fp8 inputs."""
+        api, recipe = self.api, self.recipe
+        x_fp8, x_scale = api.quantize_activation(x_shard, recipe, config.group_name)
+        bs, b_scales = [], []
+        for w in weights:
+            w_fp8, w_scale = api.quantize_weight(w, recipe)
+            bs.append(w_fp8.t())
+            b_scales.append(w_scale.t())
+        _, outs = api.all_gather_scaled_matmul(
+            x_fp8, bs, x_scale, b_scales, config.dim, config.group_name, out_dtype=x_shard.dtype,
+            biases=biases, use_fast_accum=recipe.use_fast_accum, return_a=False, strategy=config.strategy,
+        )
+        return None, outs
 
     def dgrad_reduce_scatter(self, grad: torch.Tensor, weight: torch.Tensor, config: Any) -> torch.Tensor:
-        raise ValueError("float8 requires asynctp.float8, which is not integrated yet")
+        """reduce_scatter(grad @ weight) along config.dim, fp8 inputs (no agreement needed:
+        partial products are dequantized before they are summed)."""
+        g_fp8, g_scale = self._quantize_grad(grad, group=None)
+        b, b_scale = self._weight_for_dgrad(weight)
+        return self.api.scaled_matmul_reduce_scatter(
+            g_fp8, b, g_scale, b_scale, config.dim, config.group_name, out_dtype=grad.dtype, strategy=config.strategy
+        )
+
+    # ------------------------------------------------------------------ row-parallel
 
     def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, bias: Any, config: Any) -> torch.Tensor:
-        raise ValueError("float8 requires asynctp.float8, which is not integrated yet")
+        api, recipe = self.api, self.recipe
+        x_fp8, x_scale = api.quantize_activation(x, recipe, None)
+        w_fp8, w_scale = api.quantize_weight(weight, recipe)
+        return api.scaled_matmul_reduce_scatter(
+            x_fp8, w_fp8.t(), x_scale, w_scale.t(), config.dim, config.group_name, out_dtype=x.dtype,
+            bias=bias, use_fast_accum=recipe.use_fast_accum, strategy=config.strategy,
+        )
 
     def dgrad_all_gather(self, grad_shard: torch.Tensor, weight: torch.Tensor, config: Any):
-        raise ValueError("float8 requires asynctp.float8, which is not integrated yet")
+        """(grad_gathered in grad_shard's dtype, grad_gathered @ weight), the gather in fp8."""
+        g_fp8, g_scale = self._quantize_grad(grad_shard, group=config.group_name)
+        b, b_scale = self._weight_for_dgrad(weight)
+        g_gathered_fp8, (grad_x,) = self.api.all_gather_scaled_matmul(
+            g_fp8, [b], g_scale, [b_scale], config.dim, config.group_name, out_dtype=grad_shard.dtype,
+            return_a=True, strategy=config.strategy,
+        )
+        scale = self._gather_row_scales(g_scale, grad_shard.shape[-1], config) if self.rowwise else g_scale
+        grad_gathered = (g_gathered_fp8.float() * scale).to(grad_shard.dtype)
+        return grad_gathered, grad_x
+
+    # ------------------------------------------------------------------ quantization
+
+    def _quantize_grad(self, grad: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.recipe.grad_dtype
+        if self.rowwise:
+            amax = grad.abs().amax(dim=-1, keepdim=True).float()
+        else:
+            amax = grad.abs().amax().float()
+            if group is not None:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_group(group))
+        scale = self.api.amax_to_scale(amax, dtype, self.recipe)
+        return self.api.to_float8(grad, scale, dtype), scale
+
+    def _weight_for_dgrad(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """b = weight [N, K] as the (K_b = N, N_b = K) operand, column-major, scaled per K."""
+        dtype = self.recipe.weight_dtype
+        amax = weight.abs().amax(dim=0, keepdim=True).float() if self.rowwise else weight.abs().amax().float()
+        scale = self.api.amax_to_scale(amax, dtype, self.recipe)
+        w_fp8 = self.api.to_float8(weight, scale, dtype)
+        return w_fp8.t().contiguous().t(), scale
+
+    def _gather_row_scales(self, scale: torch.Tensor, cols: int, config: Any) -> torch.Tensor:
+        """Every rank's rowwise scales ([..., 1] each, a few bytes per row: a plain all_gather),
+        laid out to broadcast against the gathered grad."""
+        pg = _group(config.group_name)
+        parts = [torch.empty_like(scale) for _ in range(pg.size())]
+        dist.all_gather(parts, scale.contiguous(), group=pg)
+        if config.dim == scale.ndim - 1:
+            # gathered along the columns: rank p's scale covers columns p * cols:(p + 1) * cols
+            return torch.cat(parts, dim=-1).repeat_interleave(cols, dim=-1)
+        return torch.cat(parts, dim=config.dim)
+
+
+def _group(group: Any) -> Any:
+    from asynctp.symm import resolve_group
+
+    return resolve_group(group)

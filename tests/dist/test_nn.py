@@ -25,3 +25,10 @@ def test_two_layers_in_a_row(pool, save):
 def test_bad_inputs(pool):
     messages = pool.run(cases_nn.bad_linear_inputs, DEVICE)
     assert all(m == messages[0] for m in messages)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_float8_recipes_by_sqnr(pool, recipe):
+    worst = pool.run(cases_nn.float8_linears, DEVICE, recipe, "float32")[0]
+    assert worst["out"] >= 25, worst
+    assert min(worst.values()) >= 18, worst
