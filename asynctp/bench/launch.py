@@ -71,7 +71,7 @@ def _rank_main(rank: int, world_size: int, backend: str, init_method: str, local
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         device, extra = torch.device("cpu"), {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(minutes=10), **extra)
+                            timeout=timedelta(minutes=5), **extra)
     try:
         rows = run_benchmark(cfg, dist.group.WORLD, device)
         code = 0

@@ -143,7 +143,7 @@ class _Row:
         self.skipped: dict[str, str] = {}
 
     def time(self, key: str, fn: Callable[[], Any]) -> None:
-        self.times[key] = time_us(fn, self.cfg.iters, self.cfg.warmup, self.group, self.device)
+        self.times[key] = round(time_us(fn, self.cfg.iters, self.cfg.warmup, self.group, self.device), 2)
 
     def graphed(self, key: str, fn: Callable[[], Any], want: Any) -> None:
         """Time fn captured in a CUDA graph, after checking what a replay computes."""

@@ -94,7 +94,8 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, warmup: int = 3) 
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: NCCL's watchdog thread keeps querying events while this thread captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = fn()
     torch.cuda.synchronize(device)
     return graph.replay, outputs
