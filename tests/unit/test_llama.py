@@ -1,0 +1,128 @@
+"""tests/unit, the demo's pieces with no process group: model shapes and sizes, RoPE, the
+synthetic data (learnable: a few single-process steps lower the loss), the exposed-communication
+arithmetic and the report table."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asynctp.demo.data import MarkovTokens
+from asynctp.demo.model import SIZES, ModelConfig, Transformer, apply_rope, rope_tables
+from asynctp.demo.plan import tp_plan
+from asynctp.demo.profile import exposed_time
+from asynctp.demo.report import comparison, table
+
+TINY = SIZES["tiny"]
+
+
+def test_sizes():
+    block = SIZES["8b-block"]
+    assert (block.dim, block.ffn_dim, block.num_heads, block.num_kv_heads, block.seq_len, block.num_layers) == (
+        4096, 14336, 32, 8, 8192, 4)
+    for cfg in SIZES.values():
+        cfg.check_tp(2)
+    with pytest.raises(ValueError, match="num_heads divisible by 3"):
+        TINY.check_tp(3)
+    with pytest.raises(ValueError, match="dim requires a multiple of num_heads 5"):
+        dataclasses.replace(TINY, num_heads=5)
+    with pytest.raises(ValueError, match="num_heads requires a multiple of num_kv_heads 3"):
+        dataclasses.replace(TINY, num_kv_heads=3)
+
+
+def test_num_params_matches_the_module():
+    model = Transformer(TINY)
+    assert sum(p.numel() for p in model.parameters()) == TINY.num_params()
+
+
+def test_forward_shape_and_determinism():
+    torch.manual_seed(0)
+    a = Transformer(TINY)
+    torch.manual_seed(0)
+    b = Transformer(TINY)
+    tokens = MarkovTokens(TINY.vocab_size).batch(2, TINY.seq_len)[:, :-1]
+    out = a(tokens)
+    assert out.shape == (2, TINY.seq_len, TINY.vocab_size)
+    assert torch.equal(out, b(tokens))
+
+
+def test_rope_is_a_rotation_and_relative():
+    tables = rope_tables(8, 16, 10000.0)
+    x = torch.randn(1, 16, 2, 8)
+    rotated = apply_rope(x, tables)
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+    # the score between positions depends on their distance only
+    q = torch.randn(8).expand(1, 16, 1, 8)
+    qr = apply_rope(q, tables)[0, :, 0]
+    assert torch.allclose(qr[3] @ qr[5], qr[9] @ qr[11], atol=1e-5)
+
+
+def test_markov_data_is_deterministic_and_has_the_stated_entropy():
+    a, b = MarkovTokens(64, seed=1), MarkovTokens(64, seed=1)
+    batch = a.batch(3, 100)
+    assert batch.shape == (3, 101) and batch.dtype == torch.int64
+    assert torch.equal(batch, b.batch(3, 100))
+    successors = {}
+    for row in batch.tolist():
+        for prev, nxt in zip(row, row[1:]):
+            successors.setdefault(prev, set()).add(nxt)
+    assert max(len(s) for s in successors.values()) <= 4
+    assert a.best_loss == pytest.approx(math.log(4))
+
+
+def test_loss_falls_in_a_few_steps():
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = MarkovTokens(TINY.vocab_size)
+    losses = []
+    for _ in range(15):
+        tokens = data.batch(TINY.batch_size, TINY.seq_len)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(TINY.vocab_size), abs=0.2)
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_plans_cover_every_linear_and_norm():
+    model = Transformer(TINY)
+    for asynchronous in (False, True):
+        plan = tp_plan(TINY.num_layers, asynchronous)
+        modules = dict(model.named_modules())
+        assert all(path in modules for path in plan)
+        linears = {n for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
+        assert linears <= set(plan)
+        names = {type(style).__name__ for style in plan.values()}
+        assert ("AsyncColwiseParallel" in names) == asynchronous
+
+
+def test_exposed_time_subtracts_overlapped_compute():
+    comm = [(0.0, 10.0), (5.0, 12.0), (20.0, 30.0)]  # union: [0, 12] + [20, 30] = 22
+    compute = [(2.0, 4.0), (3.0, 6.0), (11.0, 25.0)]  # covers 2..6 (4), 11..12 (1), 20..25 (5)
+    out = exposed_time(comm, compute)
+    assert out["comm_ms"] == 22.0
+    assert out["exposed_comm_ms"] == 22.0 - 10.0
+    assert out["compute_ms"] == 4.0 + 14.0
+
+
+def test_table_and_comparison():
+    run = {"name": "vanilla TP", "tokens_per_s": 1000.0, "step_time_s": 0.2, "peak_memory_bytes": None,
+           "final_loss": 2.0, "losses": [3.0, 2.0], "profile": {"exposed_comm_ms": 40.0, "comm_ms": 60.0}}
+    fast = dict(run, name="asynctp", step_time_s=0.17, losses=[3.0, 2.00001], profile=None)
+    text = table([run, fast])
+    assert "vanilla TP" in text and "asynctp" in text and "200.0 ms" in text and "40.0 ms/step" in text
+    c = comparison(run, fast)
+    assert c["speedup"] == pytest.approx(0.2 / 0.17)
+    assert c["recovered_fraction_of_exposed_comm"] == pytest.approx(30.0 / 40.0)
+    assert c["max_rel_loss_diff"] == pytest.approx(5e-6)
+
+
+def test_custom_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TINY.dim = 3  # type: ignore[misc]
+    assert isinstance(TINY, ModelConfig)
