@@ -1,0 +1,54 @@
+"""Developer probe: a CUDA-only profiler timeline of back-to-back pipelined calls (no host
+activity recorded, so the host is not slowed), printed per stream for rank 0.
+
+    PROBE_OP=ag|rs PROBE_M=8192 python benchmarks/trace_pipeline.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def main(rank, ws, out):
+    import asynctp
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29534", rank=rank, world_size=ws)
+    g = dist.group.WORLD
+    M = int(os.environ.get("PROBE_M", "8192"))
+    op = os.environ.get("PROBE_OP", "ag")
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    if op == "ag":
+        a, b = torch.randn(M // ws, 8192, **bf), torch.randn(8192, 3584, **bf)
+        fn = lambda: asynctp.all_gather_matmul(a, [b], 0, g, strategy="pipeline")  # noqa: E731
+    else:
+        a, b = torch.randn(M, 3584, **bf), torch.randn(3584, 8192, **bf)
+        fn = lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, strategy="pipeline")  # noqa: E731
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(6):
+            fn()
+        torch.cuda.synchronize()
+    path = os.path.join(out, f"trace_{op}{M}_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    if rank == 0:
+        ev = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+        ev.sort(key=lambda e: e["ts"])
+        t0 = ev[0]["ts"]
+        for e in ev[len(ev) // 2 :]:
+            print(f'{e["ts"] - t0:9.1f} {e["dur"]:7.1f} s{e["args"].get("stream")} {e["name"][:50]}')
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(torch.cuda.device_count(), sys.argv[1]), nprocs=torch.cuda.device_count())
