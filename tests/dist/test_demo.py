@@ -1,0 +1,25 @@
+"""`asynctp demo` end to end on its CPU path (it spawns its own 2 gloo processes): a few steps of
+both runs, the table, and the JSON record with identical float32 loss curves."""
+
+import json
+
+from asynctp.cli import main
+
+
+def test_demo_cpu_path_writes_json(tmp_path, capsys):
+    assert main(["demo", "--cpu", "--steps", "4", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "tokens/s" in printed and "final loss" in printed
+    (path,) = tmp_path.glob("demo_2xcpu_*.json")
+    record = json.loads(path.read_text())
+    vanilla, fused = record["runs"]
+    assert record["model"] == "tiny" and record["backend"] == "gloo"
+    assert len(vanilla["losses"]) == len(fused["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(vanilla["losses"], fused["losses"])) <= 1e-5
+    assert vanilla["tokens_per_s"] > 0 and fused["step_time_s"] > 0
+    assert record["comparison"]["asynctp"]["max_rel_loss_diff"] <= 1e-5
+
+
+def test_demo_refuses_gpu_only_flags_on_cpu(capsys):
+    assert main(["demo", "--cpu", "--profile"]) == 2
+    assert "--profile requires >= 2 GPUs" in capsys.readouterr().err
