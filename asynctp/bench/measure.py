@@ -241,7 +241,9 @@ def measure_shape(
         asynctp.reserve(group, problem.workspace_bytes, device)
         row.graphed(AUTO_GRAPH, lambda: problem.asynctp("auto"), want)
     out["auto_strategy"] = _auto_choice(problem, group, device)
-    out["times_us"], out["skipped"] = row.times, row.skipped
+    # a variant that could not run is there too, as None (its reason under "skipped")
+    out["times_us"] = {**row.times, **{k: None for k in row.skipped if k not in row.times}}
+    out["skipped"] = row.skipped
     report.derive(out)
     return out
 

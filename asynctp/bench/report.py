@@ -10,7 +10,7 @@ the slowest rank's median time in microseconds:
     asynctp_<strategy>  each pipelined strategy, eager
     asynctp_auto(_graph) strategy="auto", eager (and CUDA-graphed)
 
-A variant that could not run has its reason under "skipped" instead. Efficiency of a variant is
+A variant that could not run has time None and its reason under "skipped". Efficiency of a variant is
 max(compute_bound, comm_bound) / its time; auto_vs_serial is serial's time / auto's time.
 """
 
@@ -56,12 +56,12 @@ def default_hardware(device_name: str, world_size: int) -> str:
 def derive(row: dict[str, Any]) -> dict[str, Any]:
     """Fill the row's bound_us, efficiency and auto_vs_serial from its times (in place)."""
     times = row["times_us"]
-    if COMPUTE in times and COMM in times:
+    if times.get(COMPUTE) and times.get(COMM):
         row["bound_us"] = max(times[COMPUTE], times[COMM])
         row["efficiency"] = {
-            k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM) and t > 0
+            k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM) and t
         }
-    if SERIAL in times and times.get(AUTO):
+    if times.get(SERIAL) and times.get(AUTO):
         row["auto_vs_serial"] = times[SERIAL] / times[AUTO]
     return row
 
@@ -252,8 +252,8 @@ def target_notes(rows: list[dict[str, Any]]) -> list[str]:
         met = all(r["efficiency"].get(AUTO, 0) >= 0.92 for r in big)
         notes.append(f"{'met' if met else 'NOT met'}: eager auto efficiency >= 0.92 at seed M 4096/8192 ({effs})")
     seed = [r for r in ok if r["shape_set"] == "seed"]
-    torch_best = [(r, min(v for k, v in r["times_us"].items() if k in (TORCH, TORCH_GRAPH)))
-                  for r in seed if TORCH in r["times_us"]]
+    torch_best = [(r, min(v for k, v in r["times_us"].items() if k in (TORCH, TORCH_GRAPH) and v))
+                  for r in seed if r["times_us"].get(TORCH)]
     if torch_best:
         slower = [f"{r['m']}: {r['times_us'][AUTO]:.0f} vs {t:.0f} us" for r, t in torch_best if r["times_us"][AUTO] > t]
         notes.append("met: eager auto faster than torch's fused op (best of eager, graph) at every seed shape"

@@ -42,6 +42,13 @@ def test_derive_efficiency_and_ratio():
     assert row["auto_vs_serial"] == pytest.approx(527 / 400)
 
 
+def test_skipped_variants_have_no_efficiency():
+    row = _row(torch_fused=None, torch_fused_graph=None)
+    assert "torch_fused" not in row["efficiency"] and row["efficiency"]["serial"] > 0
+    assert "| - | - |" in report.markdown([row])
+    assert not [n for n in report.target_notes([row]) if "torch" in n]
+
+
 def test_columns_put_new_strategies_between_torch_and_auto():
     row = _row(asynctp_async_input=350.0)
     keys = report.columns([row])
