@@ -1,0 +1,129 @@
+"""The inductor post-grad pass object and its installation (enable / disable / enabled).
+
+The pass is a CustomGraphPass whose uuid hashes the pass's and the ops' sources plus every
+setting that changes its output, so inductor's FX graph cache stays correct. Passes already
+installed keep running, before this one: in torch versions that accept a list of passes they
+stay in the list, otherwise this pass wraps them (and then caches only if they have a uuid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from asynctp.compile.report import FusionReport, UnfusedCollectiveError, record_graph, snapshot
+from asynctp.compile.rewrite import graph_kind, rewrite_graph
+
+__all__ = ["AsyncTPPass", "enable", "disable", "enabled", "fusion_report"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = tuple(sorted(glob.glob(os.path.join(_HERE, "*.py")) + glob.glob(os.path.join(_HERE, "..", "ops", "*.py"))))
+_ENV_KEYS = ("ASYNCTP_DISABLE_SYMM",)
+
+
+def _as_tuple(passes: Any) -> tuple[Any, ...]:
+    if passes is None:
+        return ()
+    if isinstance(passes, (list, tuple)):
+        return tuple(passes)
+    return (passes,)
+
+
+def _accepts_lists() -> bool:
+    """Whether this inductor runs a list of post-grad passes (newer torch) or only one."""
+    from torch._inductor import custom_graph_pass
+
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
+class AsyncTPPass(CustomGraphPass):
+    """Rewrites TP all-gather -> matmul and matmul -> reduce-scatter into asynctp's fused ops."""
+
+    def __init__(self, fail_if_unfused: bool = False, wrapped: tuple[Any, ...] = ()) -> None:
+        self.fail_if_unfused = fail_if_unfused
+        self.wrapped = wrapped  # passes installed before this one (torch without pass lists)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for other in self.wrapped:
+            other(graph)
+        report = record_graph(graph_kind(graph), rewrite_graph(graph))
+        if self.fail_if_unfused and report.unfused_tp:
+            raise UnfusedCollectiveError(
+                f"asynctp.compile: {len(report.unfused_tp)} TP collective(s) were not fused "
+                f"(enable(fail_if_unfused=True)):\n{report}"
+            )
+
+    def uuid(self) -> Any:
+        wrapped = []
+        for other in self.wrapped:
+            other_uuid = other.uuid() if isinstance(other, CustomGraphPass) else None
+            if other_uuid is None:
+                return None  # an opaque pass: caching could replay a stale graph
+            wrapped.append(other_uuid)
+        settings = f"fail={self.fail_if_unfused};" + ";".join(f"{k}={os.environ.get(k)}" for k in _ENV_KEYS)
+        return (get_hash_for_files(_SOURCES, settings).hex(), torch.__version__, tuple(wrapped))
+
+
+def enable(fail_if_unfused: bool = False) -> AsyncTPPass:
+    """Install the pass for every later torch.compile (inductor) compilation in this process.
+
+    Graphs compile lazily, at a compiled function's first call: enable before that call.
+    fail_if_unfused=True turns an unfused TP collective into an UnfusedCollectiveError carrying
+    the graph's fusion report (the compile fails). Calling enable again replaces the settings.
+    """
+    if not isinstance(fail_if_unfused, bool):
+        raise TypeError(f"fail_if_unfused requires a bool, got {type(fail_if_unfused).__name__}")
+    others = _others(inductor_config.post_grad_custom_post_pass)
+    for p in others:
+        if not callable(p):
+            raise TypeError(f"post_grad_custom_post_pass requires callables to chain with, got {p!r}")
+    if _accepts_lists():
+        ours = AsyncTPPass(fail_if_unfused)
+        inductor_config.post_grad_custom_post_pass = [*others, ours] if others else ours
+    else:
+        ours = AsyncTPPass(fail_if_unfused, others)
+        inductor_config.post_grad_custom_post_pass = ours
+    return ours
+
+
+def _others(value: Any) -> tuple[Any, ...]:
+    """The installed passes that are not asynctp's (unwrapping a pass that wraps them)."""
+    found: list[Any] = []
+    for p in _as_tuple(value):
+        found.extend(p.wrapped if isinstance(p, AsyncTPPass) else (p,))
+    return tuple(found)
+
+
+def disable() -> None:
+    """Remove the pass; passes installed by others stay installed."""
+    rest = _others(inductor_config.post_grad_custom_post_pass)
+    inductor_config.post_grad_custom_post_pass = None if not rest else rest[0] if len(rest) == 1 else list(rest)
+
+
+@contextlib.contextmanager
+def enabled(fail_if_unfused: bool = False) -> Iterator[AsyncTPPass]:
+    """`with asynctp.compile.enabled(): compiled(x)`: the pass is installed inside the block only
+    (the first call of a compiled function, which compiles it, must be inside)."""
+    was = inductor_config.post_grad_custom_post_pass
+    try:
+        yield enable(fail_if_unfused)
+    finally:
+        inductor_config.post_grad_custom_post_pass = was
+
+
+def fusion_report(clear: bool = False) -> FusionReport:
+    """What the pass did to every graph compiled in this process (clear=True: then forget it).
+
+    str() of the report lists, per graph, each all-gather / reduce-scatter, fused or not, and
+    why not. Graphs loaded from inductor's FX graph cache were rewritten when first compiled and
+    are not listed again.
+    """
+    return snapshot(clear)

@@ -1,0 +1,334 @@
+"""Where the TP collectives and their matmuls are in a post-grad FX graph: matching only, no edits.
+
+Forms recognized (R = group size, as the functional collectives and DTensor emit them):
+
+    gather dim 0:   shard -> all_gather_into_tensor -> wait_tensor
+    gather dim d>0: ... -> wait_tensor -> split(s, 0) -> getitem x R (or slice x R) -> cat(dim=d)
+    fp8 type-erased: the above on a uint8 view of the shard, then view(float8) (per chunk or once)
+    scatter dim 0:  x -> reduce_scatter_tensor -> wait_tensor
+    scatter dim d>0: x -> split(s, d) -> getitem x R (or slice x R) -> cat(dim=0) -> reduce_scatter ...
+    matmul:         mm / addmm / _scaled_mm on a 2-D A, or reshape(A, [-1, K]) -> mm -> reshape(back)
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "Gather",
+    "ReduceScatter",
+    "Matmul",
+    "find_gathers",
+    "find_reduce_scatters",
+    "consumer_matmuls",
+    "producer_matmul",
+    "ancestors",
+    "tensor_of",
+]
+
+aten = torch.ops.aten
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+MATMULS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
+
+
+def _c10d() -> Any:
+    return torch.ops._c10d_functional
+
+
+def tensor_of(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` depends on (itself included)."""
+    seen = {node}
+    todo = [node]
+    while todo:
+        for inp in todo.pop().all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                todo.append(inp)
+    return seen
+
+
+@dataclass
+class Gather:
+    """An all-gather as the graph sees it: `result` holds the gathered tensor (cat along
+    `gather_dim` of every rank's `shard`)."""
+
+    ag: fx.Node
+    wait: fx.Node
+    result: fx.Node
+    shard: fx.Node  # what the collective sends (a uint8 view when type-erased)
+    gather_dim: int  # normalized to the result's ndim
+    group_name: str
+    nodes: list[fx.Node] = field(default_factory=list)  # the pattern, in graph order
+    erased_dtype: torch.dtype | None = None  # the real dtype of a type-erased (uint8) gather
+    problem: str | None = None  # set when the form is not one asynctp can replace
+
+
+@dataclass
+class ReduceScatter:
+    rs: fx.Node
+    wait: fx.Node | None
+    input: fx.Node  # the full partial, before the split/cat that moves the scatter dim first
+    scatter_dim: int
+    reduce_op: str
+    group_name: str
+    nodes: list[fx.Node] = field(default_factory=list)
+    problem: str | None = None
+
+
+@dataclass
+class Matmul:
+    """out = a @ b (+ bias): `a` is N-D, `pre` reshapes it to 2-D, `mm` is the 2-D matmul, `post`
+    holds reshapes of the product back to a.shape[:-1] + (N,)."""
+
+    mm: fx.Node
+    a: fx.Node
+    b: fx.Node
+    pre: fx.Node | None
+    post: list[fx.Node]
+    bias: fx.Node | None = None
+    scaled: bool = False
+    scale_a: fx.Node | None = None
+    scale_b: fx.Node | None = None
+    out_dtype: torch.dtype | None = None
+    use_fast_accum: bool = False
+    problem: str | None = None  # set when this matmul cannot be folded in
+
+    def arg_nodes(self) -> list[fx.Node]:
+        return [n for n in (self.b, self.bias, self.scale_a, self.scale_b) if isinstance(n, fx.Node)]
+
+
+def _chunks_in_order(parts: Any, source: fx.Node, num: int, dim: int) -> bool:
+    """parts are the `num` equal chunks of `source` along `dim`, in order (getitem(split) or slice)."""
+    if not isinstance(parts, (list, tuple)) or len(parts) != num:
+        return False
+    src = tensor_of(source)
+    if src is None or src.shape[dim] % num:
+        return False
+    size = src.shape[dim] // num
+    for i, part in enumerate(parts):
+        if not isinstance(part, fx.Node):
+            return False
+        if part.target is operator.getitem:
+            split = part.args[0]
+            if not (isinstance(split, fx.Node) and split.target in SPLITS and split.args[0] is source):
+                return False
+            sizes = split.args[1]
+            split_dim = _arg(split, 2, "dim", 0)
+            even = sizes == size or (isinstance(sizes, (list, tuple)) and list(sizes) == [size] * num)
+            if not even or split_dim % src.ndim != dim or part.args[1] != i:
+                return False
+        elif part.target is aten.slice.Tensor:
+            if part.args[0] is not source or _arg(part, 1, "dim", 0) % src.ndim != dim:
+                return False
+            start, end = _arg(part, 2, "start", 0), _arg(part, 3, "end", None)
+            if start != i * size or end not in ((i + 1) * size,) + ((None,) if i == num - 1 else ()):
+                return False
+        else:
+            return False
+    return True
+
+
+def _pattern_nodes(parts: list[fx.Node]) -> list[fx.Node]:
+    nodes: list[fx.Node] = []
+    for part in parts:
+        if part.target is operator.getitem and part.args[0] not in nodes:
+            nodes.append(part.args[0])
+    return nodes + list(parts)
+
+
+def _strip_dtype_views(parts: list[Any]) -> tuple[list[Any], torch.dtype | None]:
+    dtypes = {p.args[1] for p in parts if isinstance(p, fx.Node) and p.target is aten.view.dtype}
+    if len(dtypes) == 1 and all(isinstance(p, fx.Node) and p.target is aten.view.dtype for p in parts):
+        return [p.args[0] for p in parts], dtypes.pop()
+    return parts, None
+
+
+_CHUNK_OPS = SPLITS + (operator.getitem, aten.slice.Tensor, aten.view.dtype)
+
+
+def _cat_below(wait: fx.Node) -> fx.Node | None:
+    """The one cat reached from `wait` through chunking ops (split, getitem, slice, view.dtype)."""
+    cats: set[fx.Node] = set()
+    todo, seen = list(wait.users), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target is aten.cat.default:
+            cats.add(node)
+        elif node.target in _CHUNK_OPS:
+            todo.extend(node.users)
+    return cats.pop() if len(cats) == 1 else None
+
+
+def _match_gather(ag: fx.Node) -> Gather:
+    shard = ag.args[0]
+    num = int(_arg(ag, 1, "group_size"))
+    group_name = str(_arg(ag, 2, "group_name"))
+    waits = [u for u in ag.users if u.target is _c10d().wait_tensor.default]
+    g = Gather(ag, waits[0] if waits else ag, ag, shard, 0, group_name, [ag])
+    if len(waits) != 1:
+        g.problem = "the all-gather has no single wait_tensor"
+        return g
+    if len(ag.users) != 1:
+        g.problem = f"the un-waited all-gather result has {len(ag.users)} users"
+        return g
+    g.nodes.append(g.wait)
+    g.result = g.wait
+    # dim > 0: the gathered rows (rank-major on dim 0) are chunked and concatenated along dim d
+    cat = _cat_below(g.wait)
+    cat_val = tensor_of(cat) if cat is not None else None
+    if cat is not None and cat_val is not None:
+        dim = _arg(cat, 1, "dim", 0) % cat_val.ndim
+        parts, chunk_dtype = _strip_dtype_views(list(cat.args[0]))
+        if dim and _chunks_in_order(parts, g.wait, num, 0):
+            pieces = _pattern_nodes(parts) + ([p for p in cat.args[0]] if chunk_dtype is not None else [])
+            outside = [u for p in pieces for u in p.users if u not in pieces and u is not cat]
+            if outside:
+                g.problem = f"pieces of the gathered tensor are also used by {outside[0].name}"
+                return g
+            g.nodes += pieces + [cat]
+            g.erased_dtype = chunk_dtype
+            g.result, g.gather_dim = cat, dim
+    users = list(g.result.users)
+    if len(users) == 1 and users[0].target is aten.view.dtype:
+        g.erased_dtype = users[0].args[1]
+        g.result = users[0]
+        g.nodes.append(users[0])
+    if cat is not None and g.result is g.wait:
+        g.problem = "the gathered chunks are reassembled in a form asynctp does not recognize"
+    return g
+
+
+def find_gathers(graph: fx.Graph) -> list[Gather]:
+    target = _c10d().all_gather_into_tensor.default
+    return [_match_gather(n) for n in graph.nodes if n.target is target]
+
+
+def _match_reduce_scatter(rs: fx.Node) -> ReduceScatter:
+    inp = rs.args[0]
+    reduce_op = str(_arg(rs, 1, "reduce_op"))
+    num = int(_arg(rs, 2, "group_size"))
+    group_name = str(_arg(rs, 3, "group_name"))
+    waits = [u for u in rs.users if u.target is _c10d().wait_tensor.default]
+    r = ReduceScatter(rs, waits[0] if len(waits) == 1 else None, inp, 0, reduce_op, group_name, [rs])
+    if r.wait is None:
+        r.problem = "the reduce-scatter has no single wait_tensor"
+        return r
+    r.nodes.append(r.wait)
+    if isinstance(inp, fx.Node) and inp.target is aten.cat.default and _arg(inp, 1, "dim", 0) == 0:
+        parts = list(inp.args[0])
+        first = parts[0] if parts and isinstance(parts[0], fx.Node) else None
+        source = first.args[0] if first is not None else None
+        if first is not None and first.target is operator.getitem:
+            source = source.args[0] if isinstance(source, fx.Node) else None
+        src = tensor_of(source) if isinstance(source, fx.Node) else None
+        if src is not None:
+            for dim in range(1, src.ndim):
+                if _chunks_in_order(parts, source, num, dim):
+                    pieces = _pattern_nodes(parts)
+                    if any(u not in pieces + [inp] for p in pieces for u in p.users) or len(inp.users) != 1:
+                        break
+                    r.nodes = pieces + [inp] + r.nodes
+                    r.input, r.scatter_dim = source, dim
+                    break
+    return r
+
+
+def find_reduce_scatters(graph: fx.Graph) -> list[ReduceScatter]:
+    target = _c10d().reduce_scatter_tensor.default
+    return [_match_reduce_scatter(n) for n in graph.nodes if n.target is target]
+
+
+def _is_flatten_to_2d(node: fx.Node, src: fx.Node) -> bool:
+    out, inp = tensor_of(node), tensor_of(src)
+    return (
+        out is not None and inp is not None and inp.ndim >= 2 and out.ndim == 2
+        and out.shape[1] == inp.shape[-1] and out.shape[0] == prod(inp.shape[:-1])
+    )
+
+
+def _matmul_at(mm: fx.Node, a: fx.Node, pre: fx.Node | None) -> Matmul:
+    if mm.target is aten.addmm.default:
+        m = Matmul(mm, a, mm.args[2], pre, [], bias=mm.args[0])
+        if _arg(mm, 3, "beta", 1) != 1 or _arg(mm, 4, "alpha", 1) != 1:
+            m.problem = "addmm with beta or alpha other than 1"
+        bias, b = tensor_of(m.bias), tensor_of(m.b)
+        if bias is None or b is None or tuple(bias.shape) != (b.shape[1],):
+            m.problem = "the addmm bias is not a 1-D (N,) vector"
+    elif mm.target is aten._scaled_mm.default:
+        m = Matmul(
+            mm, a, mm.args[1], pre, [], bias=_arg(mm, 4, "bias"), scaled=True,
+            scale_a=mm.args[2], scale_b=mm.args[3], out_dtype=_arg(mm, 6, "out_dtype"),
+            use_fast_accum=bool(_arg(mm, 7, "use_fast_accum", False)),
+        )
+        if _arg(mm, 5, "scale_result") is not None:
+            m.problem = "_scaled_mm with a result scale"
+    else:
+        m = Matmul(mm, a, mm.args[1], pre, [])
+    a_val, out = tensor_of(a), tensor_of(mm)
+    if a_val is not None and out is not None:
+        want = tuple(a_val.shape[:-1]) + (out.shape[1],)
+        m.post = [u for u in mm.users if u.target in RESHAPES and tensor_of(u) is not None
+                  and tuple(tensor_of(u).shape) == want]
+    return m
+
+
+def _mm_a_index(mm: fx.Node) -> int:
+    return 1 if mm.target is aten.addmm.default else 0
+
+
+def consumer_matmuls(result: fx.Node) -> tuple[list[Matmul], list[str]]:
+    """Matmuls whose A is `result` (directly when 2-D, else through a flattening reshape), and a
+    note for each matmul that uses `result` in another way."""
+    found: list[Matmul] = []
+    notes: list[str] = []
+    val = tensor_of(result)
+    for user in result.users:
+        if user.target in MATMULS:
+            if user.args[_mm_a_index(user)] is result and val is not None and val.ndim == 2:
+                found.append(_matmul_at(user, result, None))
+            else:
+                notes.append(f"the gathered tensor is B of {user.name}")
+        elif user.target in RESHAPES and _is_flatten_to_2d(user, result):
+            for mm in user.users:
+                if mm.target in MATMULS and mm.args[_mm_a_index(mm)] is user:
+                    found.append(_matmul_at(mm, result, user))
+    return found, notes
+
+
+def producer_matmul(node: fx.Node) -> tuple[Matmul | None, str | None]:
+    """The matmul that produced `node` (2-D mm, or reshape -> mm -> reshape back), or why none."""
+    if node.target in MATMULS:
+        return _matmul_at(node, node.args[_mm_a_index(node)], None), None
+    if node.target in RESHAPES and isinstance(node.args[0], fx.Node) and node.args[0].target in MATMULS:
+        mm = node.args[0]
+        pre = mm.args[_mm_a_index(mm)]
+        if isinstance(pre, fx.Node) and pre.target in RESHAPES and _is_flatten_to_2d(pre, pre.args[0]):
+            m = _matmul_at(mm, pre.args[0], pre)
+            if node not in m.post:
+                return None, "the reshape after the matmul changes its leading dims"
+            return m, None
+        return None, "the matmul's 2-D input is not a flattening reshape of an N-D tensor"
+    return None, f"its input comes from {node.target} (not a matmul)" if node.op == "call_function" else (
+        f"its input is a graph {node.op}, not a matmul"
+    )

@@ -1,0 +1,184 @@
+"""Graph builders and rank-side bodies for the torch.compile pass tests.
+
+Single-process graph tests trace small functions with make_fx (fake tensors) over a "fake"
+process group, so the functional collectives appear exactly as in a post-grad graph, and run
+asynctp's rewrite on the traced graph. The rank-side bodies (tests/dist, tests/gpu) compile a
+tiny sequence-parallel block built with DTensor's ColwiseParallel / RowwiseParallel, with and
+without the pass, and compare loss and gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+FAKE_WORLD = 2
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int = FAKE_WORLD) -> Iterator[dist.ProcessGroup]:
+    """A one-process "fake" group of `world_size` ranks (collectives are no-ops)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_group requires no default process group, got one already initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return funcol.all_gather_tensor(x, dim, dist.group.WORLD)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, op: str = "sum") -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return funcol.reduce_scatter_tensor(x, op, dim, dist.group.WORLD)
+
+
+def trace(fn: Callable[..., Any], *shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> fx.GraphModule:
+    """fn traced with fake tensors of the given shapes (meta["val"] on every node)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = [torch.randn(s).to(dtype) for s in shapes]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    # inductor removes these no-ops before its post-grad passes; so do we
+    for node in list(gm.graph.nodes):
+        if node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    return gm
+
+
+def targets(gm: fx.GraphModule) -> list[str]:
+    """The call_function targets of the graph, as strings (e.g. "asynctp.all_gather_matmul.default")."""
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def nodes_of(gm: fx.GraphModule, name: str) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == name]
+
+
+def output_shapes(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = []
+    for arg in fx.node.map_arg(out.args[0], lambda n: n) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]:
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        vals.append(tuple(val.shape) if isinstance(val, torch.Tensor) else None)
+    return vals
+
+
+# --- rank side: a tiny sequence-parallel block under DTensor styles -----------------------------
+
+
+class TinyBlock(nn.Module):
+    """Attention-free Llama-ish block: fused-gather consumers (q, k, v and w1, w3) and two
+    row-parallel outputs, so every TP pattern of a real block appears once."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=True)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # "attention" with exact arithmetic: elementwise products instead of softmax(q k^T) v
+        h = x + self.wo(self.wq(x) * self.wk(x) + self.wv(x))
+        return h + self.w2(torch.relu(self.w1(h)) * self.w3(h))
+
+
+def _ints(shape: tuple[int, ...], seed: int, low: int = -1, high: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g).float()
+
+
+def build_block(device: str, seed: int = 0) -> nn.Module:
+    """TinyBlock with small-integer weights, parallelized with vanilla DTensor styles and
+    sequence parallelism on dim 1 (local input [B, S / R, D], local output the same)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    block = TinyBlock()
+    with torch.no_grad():
+        for i, p in enumerate(block.parameters()):
+            p.copy_(_ints(tuple(p.shape), seed * 100 + i))
+    block = block.to(device)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    col = ColwiseParallel(input_layouts=Shard(1))
+    row = RowwiseParallel(output_layouts=Shard(1))
+    plan = {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w3": col, "w2": row}
+    return parallelize_module(block, mesh, plan)
+
+
+def run_block(block: nn.Module, compiled: bool, device: str, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Loss and every local gradient of one forward/backward on this rank's sequence shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_full = _ints((2, 4 * world, 8), seed).to(device)
+    x = x_full.chunk(world, dim=1)[rank].clone().requires_grad_()
+    fn = torch.compile(block) if compiled else block
+    out = fn(x)
+    loss = (out * _ints(tuple(out.shape), seed + 7).to(device)).sum()
+    loss.backward()
+    grads = {name: _local(p.grad).clone() for name, p in block.named_parameters()}
+    grads["input"] = x.grad.clone()
+    grads["loss"] = loss.detach()
+    block.zero_grad(set_to_none=True)
+    return grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def compiled_block_matches(device: str) -> dict[str, Any]:
+    """Rank body: the compiled block with the pass gives the same loss and gradients as without
+    it; returns the fusion report's counts for the test to check."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import asynctp.compile
+
+    torch._dynamo.reset()
+    # graphs loaded from the FX graph cache are not rewritten again (nor reported): compile afresh
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        plain = run_block(build_block(device), compiled=True, device=device)
+        torch._dynamo.reset()
+        asynctp.compile.fusion_report(clear=True)
+        with asynctp.compile.enabled(fail_if_unfused=True):
+            fused = run_block(build_block(device), compiled=True, device=device)
+        torch._dynamo.reset()
+    report = asynctp.compile.fusion_report(clear=True)
+    for name, ref in plain.items():
+        got = fused[name]
+        assert got.shape == ref.shape, f"{name}: {got.shape} vs {ref.shape}"
+        assert torch.equal(got, ref), f"{name}: max diff {(got - ref).abs().max()}"
+    return {
+        "graphs": [g.kind for g in report.graphs],
+        "ag": report.count("asynctp.all_gather_matmul"),
+        "rs": report.count("asynctp.matmul_reduce_scatter"),
+        "unfused": [r.describe() for r in report.unfused],
+        "matmuls": sorted(r.num_matmuls for r in report.fused if r.kind == "all-gather"),
+        "text": str(report),
+    }
