@@ -7,8 +7,8 @@ gather_and_consume (pull-based ring, all-gather -> consumer), rank r:
 
     copy stream:  shard -> own buffer | barrier(0) | pull blocks of r+1, r+2, ... (an event per
                   block) | barrier(1): peers are done reading r's buffer | local shard -> output
-    compute:      consume(r) straight from the input (no wait), then each peer block once its
-                  event fired, alternating the caller's stream and a side stream
+    compute:      after barrier(0), consume(r) straight from the input, then each peer block
+                  once its event fired, alternating the caller's stream and a side stream
 
 produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
 
@@ -26,7 +26,6 @@ order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contrac
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -74,15 +73,20 @@ def gather_and_consume(
     blocks = row_blocks(m, splits)
 
     lanes.fork()
-    # the local GEMM needs nothing from anyone: queue it first, so it starts at once even when
-    # the host is slower than the GPU
-    with lanes.compute(0):
-        consume(rank, 0, shards)
-    arrived = []
     with lanes.copy():
         for t, off in zip(shards, offsets):
             ws.get_buffer(rank, t.shape, t.dtype, off).copy_(t)
         ws.barrier(channel=0)
+        in_step = lanes.mark()
+    # The local GEMM waits for the barrier although it needs nothing from anyone: started
+    # early on the rank that finished its previous op first, it holds every SM (cuBLAS GEMMs
+    # are persistent) when that rank's remote data lands, and the ranks fall out of step by a
+    # GEMM's length each call (seen on 2xH200: 890 us instead of 670 at M = 8192).
+    with lanes.compute(0):
+        lanes.wait(in_step)
+        consume(rank, 0, shards)
+    arrived = []
+    with lanes.copy():
         for step in range(1, world):
             src = (rank + step) % world
             peer = [ws.get_buffer(src, t.shape, t.dtype, off) for t, off in zip(shards, offsets)]
@@ -94,7 +98,6 @@ def gather_and_consume(
         for g, t in zip(gathered, shards):
             g[rank * m : (rank + 1) * m].copy_(t)
 
-    alternate = alternate and os.environ.get("ASYNCTP_AG_ALTERNATE", "1") != "0"
     for i, (src, lo, hi, event) in enumerate(arrived):
         with lanes.compute(i + 1 if alternate else 0):
             lanes.wait(event)
