@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true",
                         help="record the fastest eager strategy per shape in asynctp's tuning cache, then time auto")
     parser.add_argument("--hardware", default=None, help="results file tag (default e.g. 2xH200)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="name every step before it runs (stderr)")
     parser.add_argument("--readme", action="store_true", help="measure nothing: rewrite the .md/.png of every JSON file in --out, and its README.md")
 
 
@@ -64,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         ops=ops, shape_sets=expand_sets(shapes), dtype=args.dtype, iters=args.iters, warmup=args.warmup,
         graph=not args.no_graph, tune=args.tune, hardware=args.hardware, command=command_of(args),
+        verbose=args.verbose,
     )
 
 

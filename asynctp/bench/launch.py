@@ -3,6 +3,7 @@ per local GPU over NCCL, or CPU ranks over gloo as a smoke test). Rank 0 prints 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -73,7 +74,8 @@ def _rank_main(rank: int, world_size: int, backend: str, init_method: str, local
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=5), **extra)
     try:
-        rows = run_benchmark(cfg, dist.group.WORLD, device)
+        save = functools.partial(_save_row, out_dir=out_dir) if rank == 0 and out_dir else None
+        rows = run_benchmark(cfg, dist.group.WORLD, device, on_row=save)
         code = 0
         if rank == 0:
             code = _finish(rows, out_dir)
@@ -82,6 +84,11 @@ def _rank_main(rank: int, world_size: int, backend: str, init_method: str, local
         return code
     finally:
         dist.destroy_process_group()
+
+
+def _save_row(row: dict, out_dir: str) -> None:
+    """Rank 0, after each row: into the results files at once (a hang later keeps it)."""
+    write_results([row], out_dir, figures=False)
 
 
 def _finish(rows: list[dict], out_dir: str | None) -> int:

@@ -51,6 +51,7 @@ class BenchConfig:
     hardware: str | None = None  # results file tag; None: "<world size>x<GPU name>"
     command: str = ""  # the command line, stored in every row
     seed: int = 0  # input values (every rank draws its own from seed and rank)
+    verbose: bool = False  # rank 0 names every step on stderr before it runs
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in CASES]
@@ -142,7 +143,13 @@ class _Row:
         self.times: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
 
+    def say(self, what: str) -> None:
+        """--verbose: rank 0 names each step before it runs (a hang shows where it is)."""
+        if self.cfg.verbose and self.group.rank() == 0:
+            print(f"  {what}", file=sys.stderr, flush=True)
+
     def time(self, key: str, fn: Callable[[], Any]) -> None:
+        self.say(f"timing {key}")
         self.times[key] = round(time_us(fn, self.cfg.iters, self.cfg.warmup, self.group, self.device), 2)
 
     def graphed(self, key: str, fn: Callable[[], Any], want: Any) -> None:
@@ -154,6 +161,7 @@ class _Row:
             self.skipped[key] = "--no-graph"
             return
         replay, outputs, problem = None, None, None
+        self.say(f"capturing {key}")
         try:
             replay, outputs = capture_graph(fn, self.device)
             replay()
@@ -202,6 +210,8 @@ def measure_shape(
 ) -> dict[str, Any]:
     """One result row (collective: every rank calls it with the same arguments)."""
     out = _header(case, shape, cfg, env)
+    if cfg.verbose and group.rank() == 0:
+        print(f"{case.name} {shape.shape_set} {shape.label}: checking results", file=sys.stderr, flush=True)
     failure = None
     try:
         problem = case.build(shape, DTYPES[cfg.dtype], group, device, cfg.seed)
@@ -248,8 +258,12 @@ def measure_shape(
     return out
 
 
-def run_benchmark(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device) -> list[dict[str, Any]]:
-    """Every row of the run (collective); rank 0 prints each as it completes."""
+def run_benchmark(
+    cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every row of the run (collective); rank 0 prints each as it completes and passes it to
+    on_row (e.g. to save it at once: a run cut short by a hang keeps what it measured)."""
     env = environment(group, device, cfg.hardware)
     chatty = group.rank() == 0
     rows = []
@@ -267,6 +281,8 @@ def run_benchmark(cfg: BenchConfig, group: dist.ProcessGroup, device: torch.devi
                 if chatty:
                     stream = sys.stderr if row["error"] else sys.stdout
                     print(report.progress_line(row), file=stream, flush=True)
+                    if on_row is not None:
+                        on_row(row)
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -159,9 +159,10 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dic
     return merged + [r for r in new if _row_key(r) in fresh]
 
 
-def write_results(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]:
-    """Write (merging with the same day's file) <stem>.json, .md and .png per op; regenerate
-    the directory's README.md. Returns the paths written."""
+def write_results(rows: list[dict[str, Any]], out_dir: str | Path, *, figures: bool = True) -> list[Path]:
+    """Write (merging with the same day's file) <stem>.json and .md per op, and with figures the
+    .png and the directory's README.md. Returns the paths written. Writing the rows of a run one
+    by one and then all together gives the same files (a run cut short keeps its rows)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -170,15 +171,19 @@ def write_results(rows: list[dict[str, Any]], out_dir: str | Path) -> list[Path]
         path = stem.with_suffix(".json")
         old = json.loads(path.read_text())["rows"] if path.exists() else []
         merged = merge_rows(old, group)
-        path.write_text(json.dumps({"rows": merged}, indent=1) + "\n")
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"rows": merged}, indent=1) + "\n")
+        tmp.replace(path)
         stem.with_suffix(".md").write_text(markdown(merged, title=True))
         written += [path, stem.with_suffix(".md")]
-        from asynctp.bench.plot import plot_efficiency
+        if figures:
+            from asynctp.bench.plot import plot_efficiency
 
-        png = plot_efficiency(merged, stem.with_suffix(".png"))
-        if png is not None:
-            written.append(png)
-    written.append(write_readme(out))
+            png = plot_efficiency(merged, stem.with_suffix(".png"))
+            if png is not None:
+                written.append(png)
+    if figures:
+        written.append(write_readme(out))
     return written
 
 
