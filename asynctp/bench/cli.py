@@ -15,6 +15,7 @@ __all__ = ["add_arguments", "run", "config_from_args", "command_of"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `asynctp bench` options (asynctp.cli calls this for the subcommand's parser)."""
     parser.add_argument("--op", default="all", choices=[*CASES, "all"],
                         help="which op to time (all: every op this installation has)")
     parser.add_argument("--shapes", default=None, choices=[*SHAPE_SETS, "all"],
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _has_gpus() -> bool:
+    """CUDA GPUs here: then ranks are GPUs and the default shape set is seed, else tiny."""
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -70,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the options describe (or only rewrite the reports); the exit code."""
     if args.readme:
         from asynctp.bench.report import regenerate
 

@@ -149,6 +149,7 @@ class _Row:
             print(f"  {what}", file=sys.stderr, flush=True)
 
     def time(self, key: str, fn: Callable[[], Any]) -> None:
+        """times[key] = the slowest rank's median of fn, in microseconds."""
         self.say(f"timing {key}")
         self.times[key] = round(time_us(fn, self.cfg.iters, self.cfg.warmup, self.group, self.device), 2)
 
