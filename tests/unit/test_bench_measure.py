@@ -1,0 +1,50 @@
+"""tests/unit: the benchmark run's settings and helpers that need no process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from asynctp.bench import measure
+from asynctp.bench.cases import check_close, check_sqnr
+
+
+def test_new_strategies_are_measured_without_a_harness_change(monkeypatch):
+    assert measure.pipelined_strategies() == ["pipeline"]
+    monkeypatch.setattr("asynctp.ops.validate.STRATEGIES", ("auto", "serial", "pipeline", "async_input"))
+    assert measure.pipelined_strategies() == ["pipeline", "async_input"]
+    assert measure.variant("async_input") == "asynctp_async_input" and measure.variant("serial") == "serial"
+
+
+def test_config_checks():
+    cfg = measure.BenchConfig(ops=("all_gather_matmul",), shape_sets=("tiny",))
+    assert cfg.iters == 50 and cfg.warmup == 10 and cfg.graph and not cfg.tune
+    with pytest.raises(ValueError, match="ops requires names from"):
+        measure.BenchConfig(ops=("all_gather",), shape_sets=("tiny",))
+    with pytest.raises(ValueError, match="dtype requires one of"):
+        measure.BenchConfig(ops=("all_gather_matmul",), shape_sets=("tiny",), dtype="int8")
+    with pytest.raises(ValueError, match="iters requires at least 1, got 0"):
+        measure.BenchConfig(ops=("all_gather_matmul",), shape_sets=("tiny",), iters=0)
+    with pytest.raises(TypeError):
+        measure.BenchConfig(("all_gather_matmul",), ("tiny",))  # keyword-only
+
+
+def test_failure_descriptions_stay_short():
+    long = "Could not run 'x' with arguments from the 'CPU' backend. " + "blah " * 100
+    text = measure._describe(NotImplementedError(long))
+    assert text == "NotImplementedError: Could not run 'x' with arguments from the 'CPU' backend."
+    assert len(measure._describe(RuntimeError("y" * 1000))) < 260
+    assert measure._describe(ValueError("")) == "ValueError: "
+
+
+def test_result_checks():
+    import torch
+
+    want = torch.randn(64, 32).bfloat16()
+    check_close("out", want.clone(), want)
+    with pytest.raises(AssertionError, match="out differs from serial"):
+        check_close("out", want + 1, want)
+    with pytest.raises(AssertionError, match=r"got \(64, 31\)"):
+        check_close("out", want[:, :31], want)
+    check_sqnr("out", want + 1e-3 * torch.randn(64, 32).bfloat16(), want)
+    with pytest.raises(AssertionError, match="SQNR"):
+        check_sqnr("out", torch.randn(64, 32).bfloat16(), want)
