@@ -36,7 +36,7 @@ def plot_efficiency(rows: list[dict[str, Any]], path: str | Path) -> Path | None
     keys = [k for k in columns(rows) if k not in (COMPUTE, COMM)]
     labels = [f"{r['shape_set']}\n{r['layer'] + ' ' if r['layer'] else ''}{r['shape']}" for r in rows]
     width = 0.8 / len(keys)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) * max(1, len(keys)) * 0.35), 4.5))
+    fig, ax = plt.subplots(figsize=(min(30.0, max(6.0, 0.4 * len(rows) * len(keys))), 4.5))
     for i, key in enumerate(keys):
         xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(rows))]
         values = [r["efficiency"].get(key, 0.0) for r in rows]

@@ -250,7 +250,8 @@ def markdown(rows: list[dict[str, Any]], title: bool = False) -> str:
 def target_notes(rows: list[dict[str, Any]]) -> list[str]:
     """Issue 3's targets, checked against one op's rows (a line each, met or not)."""
     ok = [r for r in rows if not r.get("error") and r["times_us"].get(AUTO)]
-    notes = []
+    failed = [f"{r['shape_set']} {_label(r)}" for r in rows if r.get("error")]
+    notes = [f"NOT met: {len(failed)} row(s) failed their check or did not run: {', '.join(failed)}"] if failed else []
     big = [r for r in ok if r["shape_set"] == "seed" and r["m"] in (4096, 8192)]
     if big:
         effs = ", ".join(f"{r['m']}: {r['efficiency'].get(AUTO, 0):.2f}" for r in big)

@@ -65,6 +65,7 @@ def test_tables_show_times_efficiency_and_failures():
     text = report.format_table([ok, bad])
     assert "all_gather_matmul (bfloat16, 2xH200, times in us)" in text
     assert "527" in text and "0.93" in text and "1.32" in text and "FAILED" in text
+    assert report.target_notes([ok, bad])[0] == "NOT met: 1 row(s) failed their check or did not run: seed 8192x3584x8192"
     md = report.markdown([ok, bad], title=True)
     assert md.startswith("# all_gather_matmul on 2xH200")
     assert "| seed | 4096x3584x8192 | 373 | 188 | 527 | 730 | 434 | 400 | 400 | 390 | 0.93 | 0.96 | 1.32 | pipeline |" in md
