@@ -11,7 +11,7 @@ from asynctp.ops.layout import GatherLayout, gather_layout
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
 from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import splits_for
+from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_all_gather_matmul
 from asynctp.symm import Workspace, resolve_group
 
@@ -77,7 +77,8 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     if chosen == "serial":
         return all_gather_matmul_serial(lay, bs, biases, group, return_a)
     ws.op = "all_gather_matmul"
-    return _pipelined(ws, lay, bs, biases, return_a, splits_for("all_gather_matmul", shape_key, ws.world_size))
+    splits, lockstep = plan_for("all_gather_matmul", shape_key, ws.world_size)
+    return _pipelined(ws, lay, bs, biases, return_a, splits, lockstep)
 
 
 @_all_gather_matmul_op.register_fake
@@ -94,7 +95,8 @@ def _(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
 
 
 def _pipelined(
-    ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int
+    ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int,
+    lockstep: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     rows = lay.new_rows(lay.shard_2d.shape[1])
     if lay.k_mode:
@@ -108,7 +110,7 @@ def _pipelined(
             for out, b, bias in zip(out_rows, bs, biases):
                 matmul_bias(blocks[0], b, bias, out=out[start : start + blocks[0].shape[0]])
 
-        gather_and_consume(ws, [lay.shard_2d], [rows], consume, splits=splits)
+        gather_and_consume(ws, [lay.shard_2d], [rows], consume, splits=splits, lockstep=lockstep)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows) if return_a else None), outs
 

@@ -11,7 +11,7 @@ from asynctp.ops.layout import ScatterLayout, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
 from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import splits_for
+from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_matmul_reduce_scatter
 from asynctp.symm import Workspace, resolve_group
 
@@ -71,7 +71,8 @@ def _run(a, b, dim, group, reduce_op, bias, strategy):
     if chosen == "serial":
         return matmul_reduce_scatter_serial(lay, b, reduce_op, bias, group)
     ws.op = "matmul_reduce_scatter"
-    return _pipelined(ws, lay, b, reduce_op, bias, splits_for("matmul_reduce_scatter", shape_key, ws.world_size))
+    splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
+    return _pipelined(ws, lay, b, reduce_op, bias, splits)
 
 
 @_matmul_reduce_scatter_op.register_fake

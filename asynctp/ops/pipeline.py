@@ -57,11 +57,13 @@ def gather_and_consume(
     *,
     splits: int = 1,
     alternate: bool = True,
+    lockstep: bool = False,
 ) -> None:
     """All-gather each shard ([m, ...], contiguous, same m) into gathered[i] ([R * m, ...], rank
     order) and call consume(src_rank, row_lo, blocks) as blocks arrive: first the whole local
     shard (row_lo 0), then each peer's row blocks. consume must only read its blocks; with
-    alternate=True consecutive calls may run on two streams at once (disjoint outputs only)."""
+    alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
+    lockstep: the local consume waits for the opening barrier (see below)."""
     rank, world = ws.rank, ws.world_size
     m = shards[0].shape[0]
     offsets, total = [], 0
@@ -77,11 +79,11 @@ def gather_and_consume(
         for t, off in zip(shards, offsets):
             ws.get_buffer(rank, t.shape, t.dtype, off).copy_(t)
         ws.barrier(channel=0)
-        in_step = lanes.mark()
-    # The local GEMM waits for the barrier although it needs nothing from anyone: started
-    # early on the rank that finished its previous op first, it holds every SM (cuBLAS GEMMs
-    # are persistent) when that rank's remote data lands, and the ranks fall out of step by a
-    # GEMM's length each call (seen on 2xH200: 890 us instead of 670 at M = 8192).
+        in_step = lanes.mark() if lockstep else None
+    # lockstep: the local GEMM waits for the barrier although it needs nothing from anyone.
+    # Started early on the rank that finished its previous op first, a long GEMM holds every SM
+    # (cuBLAS GEMMs are persistent) when that rank's remote data lands, and the ranks fall out
+    # of step by a GEMM's length each call (2xH200, M 8192: 830-890 us instead of 750).
     with lanes.compute(0):
         lanes.wait(in_step)
         consume(rank, 0, shards)

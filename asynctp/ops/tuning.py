@@ -15,12 +15,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_path", "pick", "record", "load", "splits_for"]
+__all__ = ["cache_path", "pick", "record", "load", "plan_for", "splits_for"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
-# A block smaller than this many rows makes GEMMs too thin to run near peak.
-_MIN_BLOCK_ROWS = 1024
 # Total matmul FLOPs under which a pipeline cannot pay on one GPU per rank (measured on 2xH200:
 # see benchmarks/results/README.md). Override by tuning.
 _MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
@@ -82,18 +80,30 @@ def pick(op: str, ws, device: torch.device, shape_key: tuple) -> str:
     return choice
 
 
-def splits_for(op: str, shape_key: tuple, world_size: int) -> int:
-    """Row blocks per rank chunk: enough that the first remote block lands early, few enough
-    that each block's GEMM stays large."""
+def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
+    """(row blocks per rank chunk, lockstep) for the pipelined strategy.
+
+    Row blocks: the first remote GEMM starts after one block landed, not a whole chunk; for
+    reduce-scatter with 2 ranks the push of one block overlaps the GEMM of the next. Lockstep
+    (all-gather): the local GEMM waits for the opening barrier, so a rank that finished its
+    previous op early does not start a persistent GEMM that then holds the SMs when its remote
+    data lands. Measured on 2xH200 with benchmarks/probe_pipeline.py (bf16, N 3584, K 8192):
+    lockstep 750 us vs 830-890 at M 8192, 230-240 vs 180-190 at M 2048, even at M 4096; two
+    blocks best for reduce-scatter from 2048 rows per rank, for all-gather at 2048 rows.
+    """
     forced = os.environ.get(_SPLITS_ENV)
-    if forced:
-        return max(1, int(forced))
     _, m_total, _, _ = shape_key
     rows = m_total // world_size
-    if world_size == 2:
-        # reduce-scatter: the own block's GEMM must start after the peer's partial landed, and
-        # two blocks let the push of one overlap the GEMM of the next; all-gather: the first
-        # remote GEMM starts after half a chunk landed. Measured on 2xH200 (probe_pipeline.py):
-        # 2 blocks best at M = 4096 and 8192, 1 block at M = 2048.
-        return max(1, min(2, rows // _MIN_BLOCK_ROWS))
-    return 1
+    lockstep = op == "all_gather_matmul" and rows >= 2048
+    if forced:
+        return max(1, int(forced)), lockstep
+    if world_size != 2:
+        return 1, lockstep
+    if op == "all_gather_matmul":
+        return (2 if rows == 2048 else 1), lockstep
+    return (2 if rows >= 2048 else 1), lockstep
+
+
+def splits_for(op: str, shape_key: tuple, world_size: int) -> int:
+    """Row blocks per rank chunk (the first half of plan_for)."""
+    return plan_for(op, shape_key, world_size)[0]
