@@ -10,7 +10,6 @@ without the pass, and compare loss and gradients.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,20 +35,19 @@ def fake_group(world_size: int = FAKE_WORLD) -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-def gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _funcol(new: str, old: str) -> Callable[..., Any]:
+    """The functional collective under its current name (torch renamed them; the old names warn)."""
     import torch.distributed._functional_collectives as funcol
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return funcol.all_gather_tensor(x, dim, dist.group.WORLD)
+    return getattr(funcol, new, None) or getattr(funcol, old)
+
+
+def gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _funcol("all_gather_single", "all_gather_tensor")(x, dim, dist.group.WORLD)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, op: str = "sum") -> torch.Tensor:
-    import torch.distributed._functional_collectives as funcol
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return funcol.reduce_scatter_tensor(x, op, dim, dist.group.WORLD)
+    return _funcol("reduce_scatter_single", "reduce_scatter_tensor")(x, op, dim, dist.group.WORLD)
 
 
 def trace(fn: Callable[..., Any], *shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> fx.GraphModule:

@@ -1,0 +1,109 @@
+"""tests/unit: the fp8 graph rewrite (make_fx, fake tensors, a "fake" group of 2 ranks):
+type-erased (uint8) and plain float8 gathers into _scaled_mm, tensorwise and rowwise scales,
+and _scaled_mm -> reduce-scatter. Where this asynctp has no fused scaled ops, each is reported
+unfused with that reason."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from asynctp.compile.rewrite import NO_SCALED_OP, rewrite_graph
+from tests import cases_compile as cc
+
+F8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+def _has_scaled_ops() -> bool:
+    try:
+        importlib.import_module("asynctp.ops.all_gather_scaled_matmul")
+        importlib.import_module("asynctp.ops.scaled_matmul_reduce_scatter")
+    except ImportError:
+        return False
+    return True
+
+
+HAS_SCALED = _has_scaled_ops()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    with cc.fake_group(2) as group:
+        yield group
+
+
+def rewrite(fn, *shapes):
+    gm = cc.trace(fn, *shapes)
+    before = cc.output_shapes(gm)
+    records = rewrite_graph(gm.graph)
+    gm.recompile()
+    assert cc.output_shapes(gm) == before
+    return gm, records
+
+
+def check_fused(rec, op: str) -> None:
+    if HAS_SCALED:
+        assert rec.fused and rec.op == op, rec.describe()
+    else:
+        assert not rec.fused and rec.reason == NO_SCALED_OP
+
+
+def test_type_erased_gather_tensorwise():
+    def f(x, w, sa, sb):
+        a = cc.gather(x.to(F8).view(torch.uint8), 0).view(F8)
+        return torch._scaled_mm(a.reshape(-1, 16), w.to(F8).t(), sa, sb, out_dtype=BF16)
+
+    gm, (rec,) = rewrite(f, (2, 4, 16), (16, 16), (), ())
+    check_fused(rec, "asynctp.all_gather_scaled_matmul")
+    if HAS_SCALED:
+        (node,) = cc.nodes_of(gm, "asynctp.all_gather_scaled_matmul.default")
+        assert node.args[0].meta["val"].dtype == F8  # the float8 shard, not its uint8 view
+        assert "aten._scaled_mm.default" not in cc.targets(gm)
+
+
+def test_rowwise_scale_gathered_with_a():
+    def f(x, w, s, sb):
+        a = cc.gather(x.to(F8), 1)
+        scale = cc.gather(s, 1)
+        out = torch._scaled_mm(a.reshape(-1, 16), w.to(F8).t(), scale.reshape(-1, 1), sb, out_dtype=BF16)
+        return out.reshape(2, 8, 16)
+
+    gm, records = rewrite(f, (2, 4, 16), (16, 16), (2, 4, 1), (1, 16))
+    assert len(records) == 2
+    check_fused(records[0], "asynctp.all_gather_scaled_matmul")
+    if HAS_SCALED:
+        assert records[1].fused and "rowwise A scale" in records[1].reason
+        assert "_c10d_functional.all_gather_into_tensor.default" not in cc.targets(gm)
+
+
+def test_scaled_mm_reduce_scatter_rowwise_3d():
+    def f(x, w, s, sb):
+        out = torch._scaled_mm(x.to(F8).reshape(-1, 16), w.to(F8).t(), s.reshape(-1, 1), sb, out_dtype=BF16)
+        return cc.reduce_scatter(out.reshape(2, 8, 16), 1)
+
+    gm, (rec,) = rewrite(f, (2, 8, 16), (16, 16), (2, 8, 1), (1, 16))
+    check_fused(rec, "asynctp.scaled_matmul_reduce_scatter")
+    if HAS_SCALED:
+        (node,) = cc.nodes_of(gm, "asynctp.scaled_matmul_reduce_scatter.default")
+        assert node.args[4] == 1 and tuple(node.args[2].meta["val"].shape) == (2, 8, 1)
+
+
+def test_scaled_mm_reduce_scatter_tensorwise_2d():
+    def f(x, w, s, sb):
+        return cc.reduce_scatter(torch._scaled_mm(x.to(F8), w.to(F8).t(), s, sb, out_dtype=BF16), 0)
+
+    _, (rec,) = rewrite(f, (8, 16), (16, 16), (), ())
+    check_fused(rec, "asynctp.scaled_matmul_reduce_scatter")
+
+
+@pytest.mark.skipif(not HAS_SCALED, reason="this asynctp has no fused scaled ops")
+def test_rowwise_scale_not_gathered_is_not_fused():
+    def f(x, w, s, sb):
+        a = cc.gather(x.to(F8), 0)
+        return torch._scaled_mm(a, w.to(F8).t(), s, sb, out_dtype=BF16)  # scale of the gathered A, from elsewhere
+
+    _, (rec,) = rewrite(f, (4, 16), (16, 16), (8, 1), (1, 16))
+    assert not rec.fused and "not an all-gather of the shards' scales" in rec.reason

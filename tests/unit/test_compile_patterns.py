@@ -1,0 +1,198 @@
+"""tests/unit: the graph rewrite on traced graphs (make_fx, fake tensors, a one-process "fake"
+group of 2 ranks): each all-gather / reduce-scatter form, and each reason for not fusing.
+Nothing runs a collective; the rewritten graph's shapes are checked against the original's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asynctp.compile.rewrite import rewrite_graph
+from tests import cases_compile as cc
+
+AG = "asynctp.all_gather_matmul.default"
+RS = "asynctp.matmul_reduce_scatter.default"
+C10D_AG = "_c10d_functional.all_gather_into_tensor.default"
+C10D_RS = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    with cc.fake_group(2) as group:
+        yield group
+
+
+def rewrite(fn, *shapes, dtype=torch.float32):
+    gm = cc.trace(fn, *shapes, dtype=dtype)
+    before = cc.output_shapes(gm)
+    records = rewrite_graph(gm.graph)
+    gm.recompile()
+    assert cc.output_shapes(gm) == before  # same outputs, same shapes
+    return gm, records
+
+
+def fused_node(gm, target):
+    (node,) = cc.nodes_of(gm, target)
+    return node
+
+
+# --- all-gather -> matmul ---------------------------------------------------------------------
+
+
+def test_gather_dim0_2d_mm():
+    gm, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
+    assert rec.fused and rec.op == "asynctp.all_gather_matmul" and rec.dim == 0 and rec.num_matmuls == 1
+    node = fused_node(gm, AG)
+    assert node.args[2] == 0 and node.args[4] is False  # return_a: nobody reads the gathered A
+    assert C10D_AG not in cc.targets(gm) and "aten.mm.default" not in cc.targets(gm)
+
+
+def test_gather_dim1_of_3d_split_cat_reshape():
+    gm, (rec,) = rewrite(lambda x, w: cc.gather(x, 1) @ w, (2, 3, 8), (8, 6))
+    assert rec.fused and rec.dim == 1 and rec.shape == (2, 3, 8)
+    assert fused_node(gm, AG).args[2] == 1
+    assert not {"aten.split.Tensor", "aten.cat.default", "aten.mm.default"} & set(cc.targets(gm))
+
+
+def test_gather_last_dim():
+    gm, (rec,) = rewrite(lambda x, w: cc.gather(x, 2) @ w, (2, 3, 4), (8, 6))
+    assert rec.fused and rec.dim == 2
+    assert fused_node(gm, AG).args[2] == 2
+
+
+def test_qkv_share_one_gather_and_a_is_returned():
+    def f(x, wq, wk, wv):
+        a = cc.gather(x, 1)
+        return a @ wq.t(), a @ wk.t(), a @ wv.t(), a  # a also saved, as for backward
+
+    gm, (rec,) = rewrite(f, (2, 3, 8), (8, 8), (4, 8), (4, 8))
+    assert rec.fused and rec.num_matmuls == 3
+    node = fused_node(gm, AG)
+    assert len(node.args[1]) == 3 and node.args[4] is True
+
+
+def test_addmm_bias_goes_into_the_op():
+    gm, (rec,) = rewrite(lambda x, w, b: torch.addmm(b, cc.gather(x, 0), w), (4, 8), (8, 6), (6,))
+    assert rec.fused
+    node = fused_node(gm, AG)
+    assert node.args[5][0] is not None and "aten.addmm.default" not in cc.targets(gm)
+
+
+def test_linear_3d_with_bias():
+    gm, (rec,) = rewrite(lambda x, w, b: torch.nn.functional.linear(cc.gather(x, 0), w, b), (2, 3, 8), (6, 8), (6,))
+    assert rec.fused and fused_node(gm, AG).args[5][0] is not None
+
+
+def test_matmul_output_used_besides_its_reshape():
+    def f(x, w):
+        y2 = cc.gather(x, 1).reshape(-1, 8) @ w
+        return y2.reshape(2, 6, 6), y2 * 2  # the 2-D product is read too
+
+    gm, (rec,) = rewrite(f, (2, 3, 8), (8, 6))
+    assert rec.fused and "aten.mm.default" not in cc.targets(gm)
+
+
+def test_b_depending_on_the_gathered_a_is_not_fused():
+    def f(x):
+        a = cc.gather(x, 0)
+        return a @ a[:8, :8]
+
+    _, (rec,) = rewrite(f, (8, 8))
+    assert not rec.fused and "B depends on the gathered A" in rec.reason
+
+
+def test_gather_feeding_no_matmul():
+    _, (rec,) = rewrite(lambda x: torch.relu(cc.gather(x, 0)), (4, 8))
+    assert not rec.fused and rec.reason.startswith("gather feeds no matmul") and rec.tp
+
+
+def test_gathered_weight_is_not_a_tp_collective():
+    _, (rec,) = rewrite(lambda x, w: x @ cc.gather(w, 0), (4, 8), (4, 6))
+    assert not rec.fused and not rec.tp and "is B of" in rec.reason
+
+
+def test_no_symmetric_workspace(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")
+    _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
+    assert not rec.fused and rec.reason.startswith("group has no symmetric workspace")
+
+
+def test_integer_gather_is_not_fused():
+    _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6), dtype=torch.int64)
+    assert not rec.fused and "not a float" in rec.reason
+
+
+# --- matmul -> reduce-scatter -------------------------------------------------------------------
+
+
+def test_rs_dim0_2d_mm():
+    gm, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0), (4, 8), (8, 6))
+    assert rec.fused and rec.op == "asynctp.matmul_reduce_scatter" and rec.dim == 0
+    node = fused_node(gm, RS)
+    assert node.args[2] == 0 and node.args[4] == "sum"
+    assert C10D_RS not in cc.targets(gm) and "aten.mm.default" not in cc.targets(gm)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_rs_3d_reshape_mm_reshape(dim):
+    gm, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, dim), (2, 4, 8), (8, 6))
+    assert rec.fused and rec.dim == dim
+    node = fused_node(gm, RS)
+    assert node.args[2] == dim and tuple(node.args[0].meta["val"].shape) == (2, 4, 8)
+
+
+def test_rs_avg():
+    gm, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0, "avg"), (4, 8), (8, 6))
+    assert rec.fused and fused_node(gm, RS).args[4] == "avg"
+
+
+def test_rs_with_input_saved_for_backward():
+    def f(a, b):
+        return cc.reduce_scatter(a @ b, 1), a  # the matmul input is kept (as for the weight grad)
+
+    gm, (rec,) = rewrite(f, (2, 4, 8), (8, 6))
+    assert rec.fused
+
+
+def test_rs_with_unwaited_result_saved():
+    gm = cc.trace(lambda a, b: cc.reduce_scatter(a @ b, 0), (4, 8), (8, 6))
+    (rs_node,) = cc.nodes_of(gm, C10D_RS)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = ((out.args[0], rs_node),)  # the collective itself saved, as the partitioner may
+    records = rewrite_graph(gm.graph)
+    assert records[0].fused and C10D_RS not in cc.targets(gm)
+
+
+def test_rs_matmul_output_with_two_users():
+    def f(a, b):
+        p = a @ b
+        return cc.reduce_scatter(p, 0), p.sum()
+
+    _, (rec,) = rewrite(f, (4, 8), (8, 6))
+    assert not rec.fused and rec.reason.startswith("matmul output has 2 users")
+
+
+def test_rs_of_a_non_matmul():
+    _, (rec,) = rewrite(lambda a: cc.reduce_scatter(a * 2, 0), (4, 8))
+    assert not rec.fused and "not a matmul" in rec.reason
+
+
+def test_rs_bias_before_reduction():
+    _, (rec,) = rewrite(lambda a, b, c: cc.reduce_scatter(torch.addmm(c, a, b), 0), (4, 8), (8, 6), (6,))
+    assert not rec.fused and "bias" in rec.reason
+
+
+def test_rs_max_is_not_fused():
+    _, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0, "max"), (4, 8), (8, 6))
+    assert not rec.fused and "reduce op 'max'" in rec.reason
+
+
+def test_mlp_forward_two_fusions_in_order():
+    def f(x, w1, w3, w2):
+        a = cc.gather(x, 1)
+        h = torch.relu(a @ w1.t()) * (a @ w3.t())
+        return cc.reduce_scatter(h @ w2.t(), 1)
+
+    gm, records = rewrite(f, (2, 3, 8), (16, 8), (16, 8), (8, 16))
+    assert [(r.kind, r.fused, r.num_matmuls) for r in records] == [("all-gather", True, 2), ("reduce-scatter", True, 1)]
+    assert not {C10D_AG, C10D_RS, "aten.mm.default"} & set(cc.targets(gm))
