@@ -180,3 +180,59 @@ def compiled_block_matches(device: str) -> dict[str, Any]:
         "matmuls": sorted(r.num_matmuls for r in report.fused if r.kind == "all-gather"),
         "text": str(report),
     }
+
+
+# --- rank side: fp8 (type-erased gather with rowwise scales, scaled matmul -> reduce-scatter) ---
+
+F8 = torch.float8_e4m3fn
+
+
+def fp8_step(x_fp8, x_scale, w1_fp8, w1_scale, y_fp8, y_scale, w2_fp8, w2_scale, out_dtype):
+    """Colwise: gather x (sent as uint8, dim 1) and its rowwise scale, _scaled_mm with w1.
+    Rowwise: _scaled_mm of y with w2 (tensorwise), reduce-scattered along dim 1."""
+    b, s, k = x_fp8.shape
+    a = gather(x_fp8.view(torch.uint8), 1).view(F8)
+    scale = gather(x_scale, 1)
+    h = torch._scaled_mm(a.reshape(-1, k), w1_fp8.t(), scale.reshape(-1, 1), w1_scale, out_dtype=out_dtype)
+    p = torch._scaled_mm(y_fp8.reshape(-1, k), w2_fp8.t(), y_scale, w2_scale, out_dtype=out_dtype)
+    return h.reshape(b, -1, w1_fp8.shape[0]), reduce_scatter(p.reshape(y_fp8.shape[0], y_fp8.shape[1], -1), 1)
+
+
+def _fp8_inputs(device: str) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k, n = 16, 16
+    pow2 = lambda shape, seed: 2.0 ** _ints(shape, seed, -1, 2)  # noqa: E731 - exact scales
+    return [
+        _ints((2, 4, k), 10 + rank).to(F8).to(device), pow2((2, 4, 1), 20 + rank).to(device),
+        _ints((n, k), 30).to(F8).to(device), pow2((1, n), 31).to(device),
+        _ints((2, 4 * world, k), 40 + rank).to(F8).to(device), pow2((), 41).to(device),
+        _ints((n, k), 50 + rank).to(F8).to(device), pow2((), 51).to(device),
+    ]
+
+
+def compiled_fp8_matches(device: str) -> dict[str, Any]:
+    """Rank body: fp8_step compiled with the pass gives what it gives without; returns counts."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    import asynctp.compile
+
+    # cuBLAS's rowwise _scaled_mm writes bf16 only; the small-integer values are exact in bf16
+    args = [*_fp8_inputs(device), torch.bfloat16 if device == "cuda" else torch.float32]
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False):
+        plain = torch.compile(fp8_step)(*args)
+        torch._dynamo.reset()
+        asynctp.compile.fusion_report(clear=True)
+        with asynctp.compile.enabled():
+            fused = torch.compile(fp8_step)(*args)
+        torch._dynamo.reset()
+    report = asynctp.compile.fusion_report(clear=True)
+    for ref, got in zip(plain, fused):
+        assert got.shape == ref.shape and torch.equal(got, ref), f"max diff {(got - ref).abs().max()}"
+    return {
+        "ag": report.count("asynctp.all_gather_scaled_matmul"),
+        "rs": report.count("asynctp.scaled_matmul_reduce_scatter"),
+        "unfused": [r.describe() for r in report.unfused],
+        "text": str(report),
+    }

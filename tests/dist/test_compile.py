@@ -1,8 +1,9 @@
 """tests/dist: the torch.compile pass end to end on gloo (world size 2, cpu backend): a tiny
 sequence-parallel block built with DTensor's ColwiseParallel / RowwiseParallel, compiled by
 inductor with and without the pass, gives the same loss and gradients (small-integer weights and
-inputs: exact), and the fusion report lists every expected fusion in forward and backward.
-Two inductor compilations per rank: slow on CPU, so one test."""
+inputs: exact), and the fusion report lists every expected fusion in forward and backward; and
+the fp8 forms (type-erased gather with rowwise scales, scaled matmul -> reduce-scatter).
+Two inductor compilations per test and rank: slow on CPU, so few tests."""
 
 import pytest
 
@@ -21,3 +22,11 @@ def test_compiled_block_same_loss_and_grads(pool):
     # column-parallel linears are reduce-scattered.
     assert got["ag"] == 4 and got["rs"] == 7, got["text"]
     assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
+def test_compiled_fp8_same_result(pool):
+    got = pool.run(cases_compile.compiled_fp8_matches, "cpu", timeout=600)[0]
+    assert got["unfused"] == [], got["text"]
+    # the rowwise scale's gather is folded into A's: 2 gathers, 1 op
+    assert got["ag"] == 2 and got["rs"] == 1, got["text"]
