@@ -214,13 +214,32 @@ def scaled_matmul_reduce_scatter_grid(device: str, strategy: str) -> int:
     return count
 
 
-def alignment_cases(device: str) -> int:
+@contextlib.contextmanager
+def _splits(splits: int | None) -> Iterator[None]:
+    """Force the pipelines' row blocks per rank chunk (tuning.splits_for reads the variable)."""
+    import os
+
+    from asynctp.ops.tuning import _SPLITS_ENV
+
+    old = os.environ.pop(_SPLITS_ENV, None)
+    if splits is not None:
+        os.environ[_SPLITS_ENV] = str(splits)
+    try:
+        yield
+    finally:
+        os.environ.pop(_SPLITS_ENV, None)
+        if old is not None:
+            os.environ[_SPLITS_ENV] = old
+
+
+def alignment_cases(device: str, splits: int | None = None) -> int:
     """Rowwise scales with m rows per chunk, m = 1..8: a chunk's scale slice starts 4 * m * src
-    bytes in, off cuBLAS's 16-byte rule unless m % 4 == 0. Also scales the caller passes as a
-    misaligned view or a stride-0 expansion. checked_scaled_mm fails any misaligned call."""
+    bytes in, off cuBLAS's 16-byte rule unless m % 4 == 0 (with splits, each row block's slice
+    starts anywhere). Also scales the caller passes as a misaligned view or a stride-0
+    expansion. checked_scaled_mm fails any misaligned call."""
     rank, ws = world()
     count = 0
-    with checked_scaled_mm():
+    with checked_scaled_mm(), _splits(splits):
         for m in range(1, 9):
             for strategy in ("pipeline", "serial"):
                 check_ag(device, ndim=2, gather_dim=0, a_mode="rowwise", b_mode="per_column",
@@ -418,3 +437,47 @@ def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, fl
     assert not low, f"SQNR below 25 dB: {low}"
     return result
 
+
+
+def large_pipeline_matches_serial(device: str = "cuda") -> dict[str, float]:
+    """Random bf16 data quantized by both recipes, at sizes where a chunk is many GEMM tiles:
+    pipeline == serial up to GEMM rounding (other M per call may pick other kernels), with and
+    without fast accumulation, gather along rows, a middle dim and K, scatter along rows and N;
+    SQNR >= 25 dB against the high-precision matmul. Returns the SQNRs (dB) by case."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    result = {}
+    for name in ("tensorwise", "rowwise"):
+        recipe = Float8Recipe.from_name(name)
+        for gather_dim, shape in ((0, (1024, 1024)), (1, (2, 512, 1024)), (-1, (1024, 512))):
+            torch.manual_seed(1234 + rank)
+            x = torch.randn(shape, device=device).bfloat16()
+            k = shape[-1] * ws if gather_dim == -1 else shape[-1]
+            torch.manual_seed(99)
+            w = (torch.randn(768, k, device=device) / k**0.5).bfloat16()
+            x_fp8, x_scale = quantize_activation(x, recipe, g)
+            w_fp8, w_scale = quantize_weight(w, recipe)
+            args = (x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g)
+            for fast in (False, True):
+                _, (o_p,) = all_gather_scaled_matmul(*args, use_fast_accum=fast, strategy="pipeline")
+                _, (o_s,) = all_gather_scaled_matmul(*args, use_fast_accum=fast, strategy="serial")
+                torch.testing.assert_close(o_p, o_s, rtol=2e-2, atol=2e-2)
+            xs = [torch.empty_like(x) for _ in range(ws)]
+            dist.all_gather(xs, x, group=g)
+            result[f"ag-{name}-dim{gather_dim}"] = sqnr(torch.cat(xs, dim=gather_dim).float() @ w.float().t(), o_p)
+        for scatter_dim, shape in ((0, (1024, 1024)), (1, (2, 512, 1024)), (-1, (1024, 1024))):
+            torch.manual_seed(4321 + rank)
+            x = torch.randn(shape, device=device).bfloat16()
+            w = (torch.randn(512 * ws, shape[-1], device=device) / shape[-1] ** 0.5).bfloat16()
+            x_fp8, x_scale = quantize_activation(x, recipe, None)
+            w_fp8, w_scale = quantize_weight(w, recipe)
+            args = (x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g)
+            o_p = scaled_matmul_reduce_scatter(*args, use_fast_accum=recipe.use_fast_accum, strategy="pipeline")
+            o_s = scaled_matmul_reduce_scatter(*args, use_fast_accum=recipe.use_fast_accum, strategy="serial")
+            torch.testing.assert_close(o_p, o_s, rtol=2e-2, atol=5e-2)
+            full = x.float() @ w.float().t()
+            dist.all_reduce(full, group=g)
+            result[f"rs-{name}-dim{scatter_dim}"] = sqnr(full.chunk(ws, dim=scatter_dim)[rank], o_p)
+    low = {key: v for key, v in result.items() if v < 25}
+    assert not low, f"SQNR below 25 dB: {low}"
+    return result

@@ -23,8 +23,9 @@ def test_scaled_matmul_reduce_scatter(pool, strategy):
     assert pool.run(cases.scaled_matmul_reduce_scatter_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
-def test_misaligned_scale_slices(pool):
-    assert pool.run(cases.alignment_cases, DEVICE)[0] == 8 * 2 * 4 + 2
+@pytest.mark.parametrize("splits", [None, 3], ids=["whole-chunks", "3-row-blocks"])
+def test_misaligned_scale_slices(pool, splits):
+    assert pool.run(cases.alignment_cases, DEVICE, splits)[0] == 8 * 2 * 4 + 2
 
 
 def test_bad_inputs_raise_before_communication(pool):
@@ -39,3 +40,59 @@ def test_opcheck(pool):
 def test_recipes_sqnr_and_scale_agreement(pool):
     sqnrs = pool.run(cases.recipes, DEVICE)
     assert min(min(r.values()) for r in sqnrs) >= 25
+
+
+# -- no process group needed ---------------------------------------------------------------------
+
+
+def test_recipe_config():
+    import dataclasses
+
+    import torch
+
+    from asynctp.float8 import Float8Recipe
+
+    rowwise, tensorwise = Float8Recipe.from_name("rowwise"), Float8Recipe.from_name("tensorwise")
+    assert (rowwise.scaling, rowwise.power_of_2_scales) == ("rowwise", True)
+    assert (tensorwise.scaling, tensorwise.activation_dtype) == ("tensorwise", torch.float8_e4m3fn)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rowwise.scaling = "tensorwise"
+    with pytest.raises(TypeError):
+        Float8Recipe("rowwise")  # keyword-only
+    bad = [
+        (ValueError, "scaling requires one of", dict(scaling="blockwise")),
+        (ValueError, "activation_dtype requires one of", dict(activation_dtype=torch.bfloat16)),
+        (ValueError, "no e5m2 x e5m2 GEMM", dict(weight_dtype=torch.float8_e5m2)),
+        (ValueError, "amax_eps requires a positive finite float", dict(amax_eps=0.0)),
+        (TypeError, "use_fast_accum requires a bool", dict(use_fast_accum=1)),
+    ]
+    for exc, text, kwargs in bad:
+        with pytest.raises(exc, match=text):
+            Float8Recipe(**kwargs)
+    with pytest.raises(ValueError, match="from_name requires one of"):
+        Float8Recipe.from_name("delayed")
+
+
+def test_quantize_conventions():
+    """scale is the dequantization multiplier; the fp8 tensor saturates; rowwise shapes."""
+    import torch
+
+    from asynctp.float8 import Float8Recipe, quantize_activation, quantize_weight
+
+    x = torch.tensor([[1.0, -448.0 * 4, 3072.0], [0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    x_fp8, x_scale = quantize_activation(x, Float8Recipe.from_name("rowwise"), None)
+    assert x_scale.shape == (2, 1) and x_scale.dtype == torch.float32
+    assert torch.equal(x_fp8.float() * x_scale, x.float())  # power-of-two scale: exact round trip
+    assert x_scale[0, 0] == 8.0 and x_scale[1, 0] > 0  # amax 3072 -> 8 * 448 (next power of two); all-zero row: eps, not 0
+    from asynctp.float8.quantize import to_float8
+
+    saturated = to_float8(x, torch.tensor(1.0), torch.float8_e4m3fn)
+    assert float(saturated.float().abs().max()) == 448.0  # fp8_max: clamped, never nan
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    w_fp8, w_scale = quantize_weight(w, Float8Recipe.from_name("tensorwise"))
+    assert w_scale.shape == () and w_fp8.shape == (32, 64)
+    assert float((w_fp8.float() * w_scale).abs().max()) == pytest.approx(float(w.float().abs().max()), rel=1e-2)
+    with pytest.raises(TypeError, match="recipe requires a Float8Recipe"):
+        quantize_weight(w, "rowwise")
+    with pytest.raises(TypeError, match="x_hp requires a dtype in"):
+        quantize_activation(w_fp8, Float8Recipe.from_name("rowwise"), None)
