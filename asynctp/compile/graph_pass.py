@@ -9,7 +9,9 @@ stay in the list, otherwise this pass wraps them (and then caches only if they h
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import hashlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +19,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from asynctp.compile.report import FusionReport, UnfusedCollectiveError, record_graph, snapshot
+from asynctp.compile.report import FusionReport, UnfusedCollectiveError, log, record_graph, snapshot
 from asynctp.compile.rewrite import graph_kind, rewrite_graph
 
 __all__ = ["AsyncTPPass", "enable", "disable", "enabled", "fusion_report"]
@@ -27,6 +29,16 @@ __all__ = ["AsyncTPPass", "enable", "disable", "enabled", "fusion_report"]
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = tuple(sorted(glob.glob(os.path.join(_HERE, "*.py")) + glob.glob(os.path.join(_HERE, "..", "ops", "*.py"))))
 _ENV_KEYS = ("ASYNCTP_DISABLE_SYMM",)
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_hash() -> str:
+    """What the pass does is in these files (the rewrite and the ops' schemas and checks)."""
+    hasher = hashlib.sha256()
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            hasher.update(f.read())
+    return hasher.hexdigest()
 
 
 def _as_tuple(passes: Any) -> tuple[Any, ...]:
@@ -69,7 +81,7 @@ class AsyncTPPass(CustomGraphPass):
                 return None  # an opaque pass: caching could replay a stale graph
             wrapped.append(other_uuid)
         settings = f"fail={self.fail_if_unfused};" + ";".join(f"{k}={os.environ.get(k)}" for k in _ENV_KEYS)
-        return (get_hash_for_files(_SOURCES, settings).hex(), torch.__version__, tuple(wrapped))
+        return (_sources_hash(), settings, torch.__version__, tuple(wrapped))
 
 
 def enable(fail_if_unfused: bool = False) -> AsyncTPPass:
@@ -81,6 +93,11 @@ def enable(fail_if_unfused: bool = False) -> AsyncTPPass:
     """
     if not isinstance(fail_if_unfused, bool):
         raise TypeError(f"fail_if_unfused requires a bool, got {type(fail_if_unfused).__name__}")
+    if getattr(inductor_config, "_micro_pipeline_tp", False):
+        log.warning(
+            "asynctp.compile: torch's own async-TP pass (_micro_pipeline_tp) is on; it runs first and "
+            "takes the patterns it knows, leaving asynctp only the rest"
+        )
     others = _others(inductor_config.post_grad_custom_post_pass)
     for p in others:
         if not callable(p):

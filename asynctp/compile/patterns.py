@@ -202,7 +202,7 @@ def _match_gather(ag: fx.Node) -> Gather:
         parts, chunk_dtype = _strip_dtype_views(list(cat.args[0]))
         if dim and _chunks_in_order(parts, g.wait, num, 0):
             pieces = _pattern_nodes(parts) + ([p for p in cat.args[0]] if chunk_dtype is not None else [])
-            outside = [u for p in pieces for u in p.users if u not in pieces and u is not cat]
+            outside = [u for p in [g.wait, *pieces] for u in p.users if u not in pieces and u is not cat]
             if outside:
                 g.problem = f"pieces of the gathered tensor are also used by {outside[0].name}"
                 return g

@@ -146,7 +146,9 @@ class _Rewriter:
             if scale_gather is not None:
                 self.absorbed[scale_gather.ag] = g.ag.name
             return CollectiveRecord(fused=True, op=AG_SCALED_OP, num_matmuls=len(kept), **record)
-        self._fuse_gather(g, kept)
+        problem = self._fuse_gather(g, kept)
+        if problem:
+            return CollectiveRecord(fused=False, reason=problem, num_matmuls=len(kept), **record)
         note = None
         if left_out:
             note = f"{len(left_out)} matmul(s) left outside: {left_out[0].problem or 'B depends on the gathered A'}"
@@ -162,16 +164,19 @@ class _Rewriter:
             return f"the gathered dtype {result.dtype} is not a float asynctp multiplies"
         return workspace_problem(g.group_name, result.device)
 
-    def _fuse_gather(self, g: pt.Gather, matmuls: list[pt.Matmul]) -> None:
+    def _fuse_gather(self, g: pt.Gather, matmuls: list[pt.Matmul]) -> str | None:
+        """Fuse; returns why not (the op's own checks), or None."""
+        args = (g.shard, [m.b for m in matmuls], g.gather_dim, g.group_name, True, [m.bias for m in matmuls], "auto")
+        problem = self.rejects(torch.ops.asynctp.all_gather_matmul.default, args)
+        if problem:
+            return problem
         first = self.earliest([m.pre or m.mm for m in matmuls])
-        bs = [m.b for m in matmuls]
-        biases = [m.bias for m in matmuls]
-        args = (g.shard, bs, g.gather_dim, g.group_name, True, biases, "auto")
         fused = self.call(torch.ops.asynctp.all_gather_matmul.default, args, first)
         outs = self.call(operator.getitem, (fused, 1))
         for i, m in enumerate(matmuls):
             self.replace_product(m, self.call(operator.getitem, (outs, i)))
         self.finish_gather(g, fused)
+        return None
 
     def replace_product(self, m: pt.Matmul, out: fx.Node) -> None:
         for post in m.post:
@@ -191,6 +196,7 @@ class _Rewriter:
             fused.update_arg(names.index("return_a"), False)
             fused.meta["val"] = self._fake_value(fused.target, fused.args)
         self.erase_unused(g.nodes)
+        assert g.ag in self.erased, f"{g.ag.name} is still read after its fusion (it would run twice)"
 
     def rejects(self, target: Any, args: tuple) -> str | None:
         """Why the op's own checks (its fake implementation) refuse these arguments, if they do."""
@@ -229,6 +235,9 @@ class _Rewriter:
                 return CollectiveRecord(fused=False, reason=reason, num_matmuls=1, **record)
             return CollectiveRecord(fused=True, op=RS_SCALED_OP, num_matmuls=1, **record)
         args = (m.a, m.b, r.scatter_dim, r.group_name, r.reduce_op, None, "auto")
+        problem = self.rejects(torch.ops.asynctp.matmul_reduce_scatter.default, args)
+        if problem:
+            return CollectiveRecord(fused=False, reason=problem, num_matmuls=1, **record)
         fused = self.call(torch.ops.asynctp.matmul_reduce_scatter.default, args, r.wait)
         self.finish_reduce_scatter(r, m, fused)
         return CollectiveRecord(fused=True, op=RS_OP, num_matmuls=1, **record)

@@ -75,6 +75,22 @@ def test_chains_with_an_installed_pass():
     assert inductor_config.post_grad_custom_post_pass is rec
 
 
+def test_wraps_an_installed_pass_where_torch_takes_one_pass(monkeypatch):
+    from asynctp.compile import graph_pass
+
+    monkeypatch.setattr(graph_pass, "_accepts_lists", lambda: False)
+    rec = Recorder()
+    inductor_config.post_grad_custom_post_pass = rec
+    p = atc.enable()
+    assert inductor_config.post_grad_custom_post_pass is p and p.wrapped == (rec,)
+    assert atc.enable().wrapped == (rec,)  # enabling again does not wrap the wrapper
+    gm = cc.trace(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
+    inductor_config.post_grad_custom_post_pass(gm.graph)
+    assert rec.calls == 1 and atc.fusion_report().fused
+    atc.disable()
+    assert inductor_config.post_grad_custom_post_pass is rec
+
+
 def test_uuid_tracks_settings(monkeypatch):
     a, b = atc.AsyncTPPass(False).uuid(), atc.AsyncTPPass(True).uuid()
     assert a == atc.AsyncTPPass(False).uuid() and a != b
