@@ -72,33 +72,48 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
         """fn(*args) on every rank; returns the per-rank results."""
+        outcomes = self.run_outcomes(fn, *args, timeout=timeout, tolerate=False)
+        return [value for _, value in outcomes]
+
+    def run_outcomes(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, tolerate: bool = True
+    ) -> list[tuple[str, Any]]:
+        """fn(*args) on every rank; per rank ("ok", value), ("raised", traceback) or ("died", how).
+        With tolerate=False a raise or death is re-raised here instead. A death breaks the pool
+        (the next call starts a fresh one)."""
         if self.broken:  # an earlier test killed or hung the ranks: start afresh
             self._start()
         for q in self._tasks:
             q.put((fn, args))
         deadline = time.monotonic() + (timeout or self.call_timeout)
-        got: dict[int, tuple[bool, Any]] = {}
+        got: dict[int, tuple[str, Any]] = {}
+        dead = False
         while len(got) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.2)
-                got[rank] = (ok, value)
+                got[rank] = ("ok" if ok else "raised", value)
                 continue
             except queue.Empty:
                 pass
             for r, p in enumerate(self._procs):
                 if not p.is_alive() and r not in got:
-                    self._break()
                     code = p.exitcode
                     how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-                    raise RuntimeError(f"{fn.__name__}: rank {r} died ({how})")
+                    got[r] = ("died", how)
+                    dead = True
+                    if not tolerate:
+                        self._break()
+                        raise RuntimeError(f"{fn.__name__}: rank {r} died ({how})")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(got))
                 self._break()
                 raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish in time (hang?)")
-        failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
-        if failures:
+        if dead:
+            self._break()
+        failures = [f"--- rank {r} ---\n{v}" for r, (kind, v) in sorted(got.items()) if kind != "ok"]
+        if failures and not tolerate:
             raise AssertionError(f"{fn.__name__} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
-        return [got[r][1] for r in range(self.world_size)]
+        return [got[r] for r in range(self.world_size)]
 
     def _break(self) -> None:
         self.broken = True

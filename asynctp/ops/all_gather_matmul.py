@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from asynctp.ops import guard
 from asynctp.ops.layout import GatherLayout, gather_layout
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
@@ -69,6 +70,9 @@ def _all_gather_matmul_op(a_shard, bs, gather_dim, group_name, return_a, biases,
 
 def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     """The implementation, on validated arguments (dim normalized)."""
+    if guard.enabled():
+        meta = dict(a_shard=a_shard, bs=bs, biases=biases, gather_dim=dim, return_a=return_a, strategy=strategy)
+        guard.preflight("all_gather_matmul", group, meta, [a_shard, *bs, *biases])
     lay = gather_layout(a_shard, dim, group.size())
     m_total = lay.m * (1 if lay.k_mode else group.size())
     n_total = sum(b.shape[1] for b in bs)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from asynctp.ops import guard
 from asynctp.ops.layout import ScatterLayout, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
@@ -65,6 +66,9 @@ def _matmul_reduce_scatter_op(a, b, scatter_dim, group_name, reduce_op, bias, st
 
 def _run(a, b, dim, group, reduce_op, bias, strategy):
     """The implementation, on validated arguments (dim normalized)."""
+    if guard.enabled():
+        meta = dict(a=a, b=b, bias=bias, scatter_dim=dim, reduce_op=reduce_op, strategy=strategy)
+        guard.preflight("matmul_reduce_scatter", group, meta, [a, b, bias])
     lay = scatter_layout(a, dim, group.size())
     shape_key = (str(a.dtype).removeprefix("torch."), lay.a_2d.shape[0], b.shape[1], b.shape[0])
     chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from asynctp.config import warn_once
 from asynctp.symm.errors import PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Lanes, Workspace, group_name_of, resolve_group
 
 __all__ = [
@@ -53,8 +54,7 @@ def _cuda_peer_reason(group: dist.ProcessGroup) -> str | None:
     from asynctp.symm.cpu import _host_id
 
     me = (_host_id(), torch.cuda.current_device())
-    everyone: list[Any] = [None] * group.size()
-    dist.all_gather_object(everyone, me, group=group)
+    everyone = exchange(group, "workspace creation", me)
     if len({host for host, _ in everyone}) > 1:
         return "its ranks are on more than one host (no peer memory access)"
     for host, dev in everyone:
@@ -65,8 +65,7 @@ def _cuda_peer_reason(group: dist.ProcessGroup) -> str | None:
 
 def _agree(group: dist.ProcessGroup, reason: str | None) -> str | None:
     """Every rank adopts the first rank's reason (if any rank has one)."""
-    reasons: list[Any] = [None] * group.size()
-    dist.all_gather_object(reasons, reason, group=group)
+    reasons = exchange(group, "workspace creation", reason)
     for rank, r in enumerate(reasons):
         if r is not None:
             return f"rank {rank}: {r}"

@@ -23,8 +23,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from asynctp.symm.workspace import NUM_CHANNELS, Workspace
 from asynctp.symm.errors import PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.rendezvous import exchange
+from asynctp.symm.workspace import NUM_CHANNELS, Workspace
 
 __all__ = ["CpuWorkspace"]
 
@@ -76,8 +77,7 @@ class CpuWorkspace(Workspace):
         path = os.path.join(_shm_dir(), f"asynctp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         own = _Segment(path, nbytes, create=True)
         try:
-            infos: list = [None] * self.world_size
-            dist.all_gather_object(infos, (_host_id(), path), group=self.group)
+            infos = exchange(self.group, self.op, (_host_id(), path))
             hosts = {host for host, _ in infos}
             if len(hosts) > 1:
                 raise WorkspaceUnavailable(
@@ -86,7 +86,7 @@ class CpuWorkspace(Workspace):
                 )
             segs = [own if r == self.rank else _Segment(p, nbytes, create=False) for r, (_, p) in enumerate(infos)]
             # every rank has mapped every segment before any file disappears
-            dist.barrier(group=self.group)
+            exchange(self.group, self.op, None)
         finally:
             os.unlink(path)
         return segs

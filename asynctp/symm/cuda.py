@@ -13,6 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Workspace
 
 __all__ = ["CudaWorkspace"]
@@ -49,6 +50,7 @@ class CudaWorkspace(Workspace):
             # device before the (collective) rendezvous, so once it returns no read is pending.
             torch.cuda.synchronize(self.device)
         tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        exchange(self.group, self.op, nbytes)  # every rank is here (with asynctp's timeout)
         handle = _rendezvous(tensor, self.group_name)
         self._bufs = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(self.world_size)]
         self._tensor, self._handle = tensor, handle

@@ -1,0 +1,124 @@
+"""Rank-side bodies of the reliability tests: faults, mismatched calls, non-finite inputs,
+several groups, growth. Faults leave the group out of step, so the tests that inject them use
+a pool of their own and throw it away."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import asynctp
+from tests.cases import ints, world
+
+
+def _timed_error(call) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever surfaced
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def peer_skips_op(device: str, op: str) -> tuple[str, float]:
+    """The last rank raises before the op (a user error on one rank); the others must raise a
+    timeout naming it, not hang."""
+    rank, ws = world()
+    asynctp.set_timeout(3)
+    a = ints((4 * ws, 8), rank, torch.float32, device)
+    b = ints((8, 6), 1, torch.float32, device)
+    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")  # workspace exists
+    if rank == ws - 1:
+        return "skipped", 0.0
+    if op == "ag":
+        return _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline"))
+    return _timed_error(lambda: asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline"))
+
+
+def peer_dies_mid_op(device: str, op: str) -> tuple[str, float]:
+    """The last rank exits after the op's opening barrier; the others must raise a timeout
+    naming it."""
+    rank, ws = world()
+    asynctp.set_timeout(3)
+    a = ints((4 * ws, 8), rank, torch.float32, device)
+    b = ints((8, 6), 1, torch.float32, device)
+    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")  # workspace exists
+    if rank == ws - 1:
+        workspace = asynctp.get_workspace(dist.group.WORLD, device)
+        real_barrier = workspace.barrier
+
+        def barrier_then_die(channel: int = 0, timeout: float | None = None) -> None:
+            real_barrier(channel, timeout)
+            os._exit(3)
+
+        workspace.barrier = barrier_then_die
+    if op == "ag":
+        return _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline"))
+    return _timed_error(lambda: asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline"))
+
+
+def mismatched_calls_raise_everywhere(device: str) -> list[str]:
+    """With the consistency check on, a call whose shapes differ across ranks raises the same
+    ValueError on every rank, and the group keeps working."""
+    rank, ws = world()
+    os.environ["ASYNCTP_CHECK_CONSISTENCY"] = "1"
+    try:
+        a = ints((4 + (rank == 1), 8), rank, torch.float32, device)  # rank 1 has one row more
+        b = ints((8, 6), 1, torch.float32, device)
+        message, _ = _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD))
+        assert message.startswith("ValueError") and "differs across ranks" in message, message
+        ok = ints((4, 8), rank, torch.float32, device)
+        a_g, _ = asynctp.all_gather_matmul(ok, [b], 0, dist.group.WORLD)
+        assert torch.equal(a_g, torch.cat([ints((4, 8), r, torch.float32, device) for r in range(ws)]))
+        return [message]
+    finally:
+        os.environ.pop("ASYNCTP_CHECK_CONSISTENCY")
+
+
+def nonfinite_inputs_raise_everywhere(device: str) -> str:
+    rank, ws = world()
+    os.environ["ASYNCTP_CHECK_FINITE"] = "1"
+    try:
+        a = ints((4 * ws, 8), rank, torch.float32, device)
+        if rank == 1:
+            a[2, 3] = float("nan")
+        b = ints((8, 6), 1, torch.float32, device)
+        message, _ = _timed_error(lambda: asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD))
+        assert message.startswith("ValueError") and "rank 1" in message and "matmul_reduce_scatter" in message, message
+        return message
+    finally:
+        os.environ.pop("ASYNCTP_CHECK_FINITE")
+
+
+def two_groups_interleaved(device: str) -> None:
+    """Two process groups over the same ranks, each with its own workspace, used alternately;
+    and shapes that grow the workspaces between calls."""
+    rank, ws = world()
+    other = dist.new_group(list(range(ws)))
+    for i, rows in enumerate((2, 8, 4, 64, 16, 256)):
+        for group in (dist.group.WORLD, other):
+            shards = [ints((rows, 8), 100 * i + r, torch.float32, device) for r in range(ws)]
+            b = ints((8, 6), i, torch.float32, device)
+            a_g, (o,) = asynctp.all_gather_matmul(shards[rank], [b], 0, group, strategy="pipeline")
+            full = torch.cat(shards)
+            assert torch.equal(a_g, full) and torch.equal(o, full @ b)
+            r = asynctp.matmul_reduce_scatter(full, b, 0, group, strategy="pipeline")
+            assert torch.equal(r, ((full @ b) * ws).chunk(ws)[rank])
+    assert asynctp.get_workspace(other, device) is not asynctp.get_workspace(dist.group.WORLD, device)
+    dist.destroy_process_group(other)
+
+
+def peer_never_joins_the_workspace(device: str) -> tuple[str, float]:
+    """The first call on a group is a collective rendezvous: a rank that never comes must be
+    named in a timeout, not hang the others for the process group's 30 minutes."""
+    rank, ws = world()
+    asynctp.set_timeout(3)
+    group = dist.new_group(list(range(ws)))
+    a = ints((4 * ws, 8), rank, torch.float32, device)
+    b = ints((8, 6), 1, torch.float32, device)
+    if rank == ws - 1:
+        return "skipped", 0.0
+    return _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, group, strategy="pipeline"))

@@ -1,0 +1,39 @@
+"""The fused bf16/fp32 ops on the cpu backend: every dim, dtype and strategy against the plain
+reference (atol=0), aliasing, bad input, opcheck, and a long run of random calls."""
+
+import pytest
+
+from tests import cases
+
+DEVICE = "cpu"
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_all_gather_matmul(pool, dtype, strategy):
+    counts = pool.run(cases.all_gather_matmul_grid, DEVICE, dtype, strategy)
+    assert counts[0] == 28
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_reduce_scatter(pool, dtype, strategy):
+    counts = pool.run(cases.matmul_reduce_scatter_grid, DEVICE, dtype, strategy)
+    assert counts[0] == 28
+
+
+def test_outputs_do_not_alias_workspace(pool):
+    pool.run(cases.outputs_do_not_alias, DEVICE)
+
+
+def test_bad_inputs_raise_before_communication(pool):
+    messages = pool.run(cases.bad_inputs, DEVICE)
+    assert all(m == messages[0] for m in messages)  # the same error on every rank
+
+
+def test_opcheck(pool):
+    pool.run(cases.opcheck_ops, DEVICE)
+
+
+def test_200_random_calls(pool):
+    assert pool.run(cases.random_calls, DEVICE, 200, 7)[0] == 200
