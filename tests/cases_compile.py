@@ -86,11 +86,12 @@ def output_shapes(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
 
 
 class TinyBlock(nn.Module):
-    """Attention-free Llama-ish block: fused-gather consumers (q, k, v and w1, w3) and two
-    row-parallel outputs, so every TP pattern of a real block appears once."""
+    """Llama-style block without norms: causal attention (fused-gather consumers q, k, v) and a
+    SwiGLU-like MLP (w1, w3), with two row-parallel outputs (wo, w2)."""
 
-    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+    def __init__(self, dim: int = 8, hidden: int = 16, num_heads: int = 4) -> None:
         super().__init__()
+        self.head_dim = dim // num_heads
         self.wq = nn.Linear(dim, dim, bias=False)
         self.wk = nn.Linear(dim, dim, bias=False)
         self.wv = nn.Linear(dim, dim, bias=True)
@@ -99,9 +100,16 @@ class TinyBlock(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, D] (gathered by the column-parallel q, k, v); heads: this rank's share
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, s, local = q.shape
+        q, k, v = (t.view(b, s, local // self.head_dim, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, local))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # "attention" with exact arithmetic: elementwise products instead of softmax(q k^T) v
-        h = x + self.wo(self.wq(x) * self.wk(x) + self.wv(x))
+        h = x + self.attention(x)
         return h + self.w2(torch.relu(self.w1(h)) * self.w3(h))
 
 
@@ -111,17 +119,21 @@ def _ints(shape: tuple[int, ...], seed: int, low: int = -1, high: int = 2) -> to
 
 
 def build_block(device: str, seed: int = 0) -> nn.Module:
-    """TinyBlock with small-integer weights, parallelized with vanilla DTensor styles and
-    sequence parallelism on dim 1 (local input [B, S / R, D], local output the same)."""
+    """TinyBlock with small-integer weights (heads split over ranks), parallelized with vanilla
+    DTensor styles and sequence parallelism on dim 1 (local input and output [B, S / R, D])."""
+    world = dist.get_world_size()
+    block = TinyBlock(dim=4 * world, hidden=8 * world, num_heads=2 * world)
+    with torch.no_grad():
+        for i, p in enumerate(block.parameters()):
+            p.copy_(_ints(tuple(p.shape), seed * 100 + i))
+    return _parallelize(block.to(device), device)
+
+
+def _parallelize(block: nn.Module, device: str) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    block = TinyBlock()
-    with torch.no_grad():
-        for i, p in enumerate(block.parameters()):
-            p.copy_(_ints(tuple(p.shape), seed * 100 + i))
-    block = block.to(device)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     col = ColwiseParallel(input_layouts=Shard(1))
     row = RowwiseParallel(output_layouts=Shard(1))
@@ -132,7 +144,7 @@ def build_block(device: str, seed: int = 0) -> nn.Module:
 def run_block(block: nn.Module, compiled: bool, device: str, seed: int = 1) -> dict[str, torch.Tensor]:
     """Loss and every local gradient of one forward/backward on this rank's sequence shard."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    x_full = _ints((2, 4 * world, 8), seed).to(device)
+    x_full = _ints((2, 4 * world, 4 * world), seed).to(device)
     x = x_full.chunk(world, dim=1)[rank].clone().requires_grad_()
     fn = torch.compile(block) if compiled else block
     out = fn(x)
@@ -151,7 +163,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def compiled_block_matches(device: str) -> dict[str, Any]:
     """Rank body: the compiled block with the pass gives the same loss and gradients as without
-    it; returns the fusion report's counts for the test to check."""
+    it (to rounding: a wrong rewrite is off by O(1)); returns the fusion report's counts."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -169,9 +181,9 @@ def compiled_block_matches(device: str) -> dict[str, Any]:
         torch._dynamo.reset()
     report = asynctp.compile.fusion_report(clear=True)
     for name, ref in plain.items():
-        got = fused[name]
-        assert got.shape == ref.shape, f"{name}: {got.shape} vs {ref.shape}"
-        assert torch.equal(got, ref), f"{name}: max diff {(got - ref).abs().max()}"
+        # the rewritten graph's other kernels may fuse differently: softmax rounds differently
+        scale = max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(fused[name], ref, rtol=1e-4, atol=1e-4 * scale, msg=lambda m: f"{name}: {m}")
     return {
         "graphs": [g.kind for g in report.graphs],
         "ag": report.count("asynctp.all_gather_matmul"),
@@ -236,3 +248,78 @@ def compiled_fp8_matches(device: str) -> dict[str, Any]:
         "unfused": [r.describe() for r in report.unfused],
         "text": str(report),
     }
+
+
+# --- rank side (GPU): time one training step of an 8B-shaped block, compiled three ways ---------
+
+
+def _step_ms(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, iters: int) -> float:
+    """Median ms of forward + backward, max over ranks (the slowest rank sets the step time)."""
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x).float().square().mean().backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:  # the first calls compile and warm up
+            times.append(start.elapsed_time(end))
+    median = torch.tensor(sorted(times)[len(times) // 2], device=x.device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+def time_block_variants(dim: int = 4096, hidden: int = 14336, num_heads: int = 32, seq: int = 8192,
+                        iters: int = 10) -> dict[str, Any]:
+    """Rank body: ms per step of the block compiled (vanilla), compiled + torch's async-TP pass,
+    compiled + asynctp's pass (bf16, batch 1, the whole sequence split over ranks); the outputs
+    of the three agree; asynctp's report lists no unfused collective."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    import asynctp.compile
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    block = _parallelize(TinyBlock(dim, hidden, num_heads).to("cuda", torch.bfloat16), "cuda")
+    x = torch.randn(1, seq, dim, device="cuda", dtype=torch.bfloat16).chunk(world, dim=1)[rank].contiguous()
+    x.requires_grad_()
+    results: dict[str, Any] = {"shape": f"dim {dim} hidden {hidden} heads {num_heads} seq {seq} x{world}"}
+    outs: dict[str, torch.Tensor] = {}
+
+    def variant(name: str, context: Any) -> None:
+        torch._dynamo.reset()
+        try:
+            with inductor_config.patch(fx_graph_cache=False), context:
+                fn = torch.compile(block)
+                results[name] = _step_ms(fn, x, iters)
+                outs[name] = fn(x).detach().float()
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+            results[name] = None
+            results[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        block.zero_grad(set_to_none=True)
+
+    variant("vanilla", contextlib.nullcontext())
+    variant("torch_pass", _torch_async_tp())
+    asynctp.compile.fusion_report(clear=True)
+    variant("asynctp_pass", asynctp.compile.enabled())
+    torch._dynamo.reset()
+    report = asynctp.compile.fusion_report(clear=True)
+    results["asynctp_unfused"] = [r.describe() for r in report.unfused]
+    results["asynctp_report"] = str(report)
+    ref = outs.get("vanilla")
+    for name, out in outs.items():
+        if ref is not None and name != "vanilla":
+            results[f"{name}_max_rel_diff"] = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    return results
+
+
+@contextlib.contextmanager
+def _torch_async_tp() -> Iterator[None]:
+    """torch's own pass: on for inductor, with symmetric memory enabled for the TP group."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        yield

@@ -1,7 +1,7 @@
 """tests/dist: the torch.compile pass end to end on gloo (world size 2, cpu backend): a tiny
-sequence-parallel block built with DTensor's ColwiseParallel / RowwiseParallel, compiled by
-inductor with and without the pass, gives the same loss and gradients (small-integer weights and
-inputs: exact), and the fusion report lists every expected fusion in forward and backward; and
+sequence-parallel Llama-style block (causal attention + MLP) built with DTensor's ColwiseParallel /
+RowwiseParallel, compiled by inductor with and without the pass, gives the same loss and
+gradients, and the fusion report lists every expected fusion in forward and backward; and
 the fp8 forms (type-erased gather with rowwise scales, scaled matmul -> reduce-scatter).
 Two inductor compilations per test and rank: slow on CPU, so few tests."""
 

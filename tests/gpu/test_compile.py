@@ -1,6 +1,6 @@
 """tests/gpu: the torch.compile pass on >= 2 GPUs (NCCL, cuda symmetric backend): the tiny
-DTensor sequence-parallel block compiled with and without the pass gives the same loss and
-gradients (fp32 small integers: exact), and every TP collective is fused in forward and backward;
+DTensor sequence-parallel Llama-style block compiled with and without the pass gives the same
+loss and gradients, and every TP collective is fused in forward and backward;
 the fp8 forms (bf16 output, as cuBLAS rowwise requires) give the same result with the pass."""
 
 from tests import cases_compile
@@ -20,3 +20,13 @@ def test_compiled_fp8_same_result(pool):
     got = pool.run(cases_compile.compiled_fp8_matches, "cuda", timeout=600)[0]
     assert got["unfused"] == [], got["text"]
     assert got["ag"] == 2 and got["rs"] == 1, got["text"]
+
+
+def test_timing_8b_block_compiled_three_ways(pool):
+    """Prints ms per training step (pytest -s): compiled vanilla TP, + torch's async-TP pass,
+    + asynctp's pass, on an 8B-shaped (Llama-3-8B dims) block."""
+    got = pool.run(cases_compile.time_block_variants, timeout=900)[0]
+    print("\n" + "\n".join(f"{k}: {v}" for k, v in got.items()))
+    assert got["asynctp_pass"] is not None, got.get("asynctp_pass_error")
+    assert got["asynctp_unfused"] == [], got["asynctp_report"]
+    assert got["asynctp_pass_max_rel_diff"] < 2e-2, got  # bf16, a different accumulation order
