@@ -6,6 +6,8 @@ _scaled_mm's limits handled here (the same on CPU and CUDA, so CI runs the CUDA 
 - bias is refused with a float32 output (cuBLAS): the bias is added after, in float32;
 - rowwise scales with a float32 output are missing from some releases' CUTLASS kernel: the
   product is taken unscaled in float32 and scaled after (the epilogue's own arithmetic);
+- the CUTLASS rowwise kernel (torch builds before cuBLAS 12.9) takes float8_e5m2 only as its first
+  operand: e4m3 a x e5m2 b is computed transposed (the bias then added after, rounded twice);
 - scale slices off cuBLAS's 16-byte alignment are copied (scales.aligned).
 """
 
@@ -63,6 +65,12 @@ def scaled_mm(
         out = torch._scaled_mm(
             a_fp8, b_fp8, a_scale, b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out
         )
+    elif rowwise and b_fp8.dtype == torch.float8_e5m2:
+        # the CUTLASS rowwise kernel takes e5m2 only as its first operand: out.t() = b.t() @ a.t()
+        out_t = torch._scaled_mm(
+            b_fp8.t(), a_fp8.t(), b_scale.reshape(n, 1), a_scale.reshape(1, m), out_dtype=out_dtype, use_fast_accum=use_fast_accum
+        )
+        out = out_t.t().contiguous() if out is None else out.copy_(out_t.t())
     else:
         return torch._scaled_mm(
             a_fp8, b_fp8, a_scale, b_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out
