@@ -107,3 +107,19 @@ def test_rowwise_scale_not_gathered_is_not_fused():
 
     _, (rec,) = rewrite(f, (4, 16), (16, 16), (8, 1), (1, 16))
     assert not rec.fused and "not an all-gather of the shards' scales" in rec.reason
+
+
+def test_type_erased_gather_dim1_bias_and_two_matmuls():
+    def f(x, w1, w3, sa, sb1, sb3, bias):
+        a = cc.gather(x.to(F8).view(torch.uint8), 1).view(F8)
+        a2 = a.reshape(-1, 16)
+        h1 = torch._scaled_mm(a2, w1.to(F8).t(), sa, sb1, bias=bias.to(BF16), out_dtype=BF16)
+        h3 = torch._scaled_mm(a2, w3.to(F8).t(), sa, sb3, out_dtype=BF16)
+        return h1.reshape(2, 8, 16), h3.reshape(2, 8, 32)
+
+    gm, (rec,) = rewrite(f, (2, 4, 16), (16, 16), (32, 16), (), (), (), (16,))
+    check_fused(rec, "asynctp.all_gather_scaled_matmul")
+    if HAS_SCALED:
+        assert rec.dim == 1 and rec.num_matmuls == 2
+        (node,) = cc.nodes_of(gm, "asynctp.all_gather_scaled_matmul.default")
+        assert node.args[4] == 1 and node.args[7][0] is not None and node.args[7][1] is None
