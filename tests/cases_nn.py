@@ -8,6 +8,8 @@ styles are checked on the demo's tiny Llama against one unsharded process (float
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -234,11 +236,14 @@ def _forward_backward(model, tokens) -> float:
     return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
 
 
-def loss_curves(device: str, steps: int) -> tuple[list[float], list[float]]:
-    """float32 training, vanilla plan then async plan, same seed and data (the demo's loop)."""
+def loss_curves(device: str, steps: int, dtype_name: str = "float32", float8: str | None = None) -> tuple[list[float], list[float]]:
+    """Training with the vanilla plan, then the async plan, same seed and data (the demo's loop)."""
     from asynctp.demo.train import VARIANTS, TrainSettings, train
 
-    settings = TrainSettings(cfg=_test_config(), steps=steps, dtype=torch.float32, lr=1e-2)
+    cfg = _test_config()
+    if float8 is not None:  # fp8 GEMMs want multiples of 16 per rank
+        cfg = dataclasses.replace(cfg, dim=192, ffn_dim=384, vocab_size=96)
+    settings = TrainSettings(cfg=cfg, steps=steps, dtype=DTYPES[dtype_name], lr=1e-2, float8=float8)
     mesh = _mesh(device)
     vanilla = train(VARIANTS["vanilla"], settings, mesh, torch.device(device))
     fused = train(VARIANTS["asynctp"], settings, mesh, torch.device(device))
@@ -268,7 +273,7 @@ def bad_plans(device: str) -> list[str]:
         ("output_layouts=Shard(d)", lambda: parallelize_module(lin(), mesh, AsyncRowwiseParallel())),
         ("requires an nn.Linear module, got Embedding", lambda: parallelize_module(nn.Embedding(12, 4), mesh, AsyncRowwiseParallel(output_layouts=Shard(1)))),
         ("requires a 1-D DeviceMesh", lambda: parallelize_module(lin(), mesh_2d, AsyncColwiseParallel(input_layouts=Shard(1)))),
-        ("float8", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel(input_layouts=Shard(1), float8="no-such-recipe"))),
+        ("no-such-recipe", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel(input_layouts=Shard(1), float8="no-such-recipe"))),
         ("vanilla plan requires float8=None", lambda: tp_plan(2, asynchronous=False, float8="rowwise")),
     ]
     messages = []

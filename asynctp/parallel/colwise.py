@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from asynctp.nn import all_gather_linear
+from asynctp.nn.column_parallel import run_all_gather_linear
 from asynctp.nn.precision import resolve_float8
 from asynctp.parallel.placement import check_linear, check_shard, tensor_dim, to_local_input, tp_group
 
@@ -65,16 +65,17 @@ class AsyncColwiseParallel(ColwiseParallel):
 
 def _make_forward(style: AsyncColwiseParallel, mesh: DeviceMesh):
     group = tp_group(mesh)
+    group_name, world_size = group.group_name, group.size()
     placement = style.input_layouts[0]
     use_local_output = style.use_local_output
-    options = dict(float8=style.float8, save_gathered_input=style.save_gathered_input, strategy=style.strategy)
+    options = dict(float8=resolve_float8(style.float8), save_gathered_input=style.save_gathered_input, strategy=style.strategy)
 
     def forward(module: nn.Linear, x: Any) -> Any:
         x_shard = to_local_input(x, mesh, placement)
         weight = module.weight.to_local()
         bias = module.bias.to_local() if module.bias is not None else None
         dim = tensor_dim(placement.dim, x_shard.ndim)
-        out = all_gather_linear(x_shard, weight, bias, group=group, gather_dim=dim, **options)
+        out = run_all_gather_linear(group_name, world_size, x_shard, weight, bias, gather_dim=dim, **options)
         if use_local_output:
             return out
         return DTensor.from_local(out, mesh, (Shard(out.ndim - 1),), run_check=False)

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module
 from torch.distributed.tensor.parallel import RowwiseParallel
 
-from asynctp.nn import linear_reduce_scatter
+from asynctp.nn.row_parallel import run_linear_reduce_scatter
 from asynctp.nn.precision import resolve_float8
 from asynctp.parallel.placement import check_linear, check_shard, tensor_dim, to_local_input, tp_group
 
@@ -61,10 +61,11 @@ class AsyncRowwiseParallel(RowwiseParallel):
 
 def _make_forward(style: AsyncRowwiseParallel, mesh: DeviceMesh):
     group = tp_group(mesh)
+    group_name, world_size = group.group_name, group.size()
     input_placement = style.input_layouts[0]
     output_dim = style.output_layouts[0].dim
     use_local_output = style.use_local_output
-    options = dict(float8=style.float8, strategy=style.strategy)
+    options = dict(float8=resolve_float8(style.float8), strategy=style.strategy)
 
     def forward(module: nn.Linear, x: Any) -> Any:
         if not isinstance(x, DTensor) and input_placement != Shard(-1):
@@ -73,7 +74,7 @@ def _make_forward(style: AsyncRowwiseParallel, mesh: DeviceMesh):
         weight = module.weight.to_local()
         bias = module.bias.to_local() if module.bias is not None else None
         dim = tensor_dim(output_dim, x_local.ndim)
-        out = linear_reduce_scatter(x_local, weight, bias, group=group, scatter_dim=dim, **options)
+        out = run_linear_reduce_scatter(group_name, world_size, x_local, weight, bias, scatter_dim=dim, **options)
         if use_local_output:
             return out
         return DTensor.from_local(out, mesh, (Shard(dim),), run_check=False)

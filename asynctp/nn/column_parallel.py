@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from asynctp.nn.precision import Float8Matmuls, resolve_float8
-from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
-from asynctp.symm import group_name_of, resolve_group
+from asynctp.nn.fused import gather_matmul, matmul_scatter
+from asynctp.symm import resolve_group
 
-__all__ = ["all_gather_linear"]
+__all__ = ["all_gather_linear", "run_all_gather_linear"]
 
 
 def all_gather_linear(
@@ -50,25 +50,43 @@ def all_gather_linear(
     (fused QKV, w1 + w3; the result is then a list). bias: None, a tensor (N,), or a list with
     one entry (tensor or None) per weight. gather_dim may be any dim of x_shard, the last too
     (then K = R * x_shard.shape[-1]). float8: None or a recipe from asynctp.float8 (or its name,
-    "rowwise" / "tensorwise"): forward and dgrad matmuls in fp8, wgrad in x_shard's dtype. The gradient of x_shard is the full gradient of this rank's
-    shard (reduce-scattered over the group); weight and bias gradients are those of the local
-    shards. save_gathered_input: keep the gathered input for wgrad instead of re-gathering it.
+    "rowwise" / "tensorwise"): forward and dgrad matmuls in fp8, wgrad in x_shard's dtype.
+    The gradient of x_shard is the full gradient of this rank's shard (reduce-scattered over
+    the group); weight and bias gradients are those of the local shards. save_gathered_input: keep the gathered input for wgrad instead of re-gathering it.
     """
-    group_name = group_name_of(group)
-    world_size = resolve_group(group_name).size()
+    pg = resolve_group(group)
+    return run_all_gather_linear(
+        pg.group_name, pg.size(), x_shard, weight, bias, gather_dim=gather_dim,
+        float8=resolve_float8(float8), save_gathered_input=save_gathered_input, strategy=strategy,
+    )
+
+
+def run_all_gather_linear(
+    group_name: str,
+    world_size: int,
+    x_shard: torch.Tensor,
+    weight: torch.Tensor | list[torch.Tensor],
+    bias: torch.Tensor | list[torch.Tensor | None] | None,
+    *,
+    gather_dim: int,
+    float8: Float8Matmuls | None,
+    save_gathered_input: bool,
+    strategy: str,
+) -> torch.Tensor | list[torch.Tensor]:
+    """all_gather_linear with the group and the fp8 recipe already resolved (asynctp.parallel
+    resolves them once at parallelize time: no process-group lookup in a compiled forward)."""
     weights, biases, is_list = _as_lists(weight, bias)
     dim = _check(x_shard, weights, biases, gather_dim, world_size)
     if not isinstance(save_gathered_input, bool):
         raise TypeError(f"save_gathered_input requires a bool, got {type(save_gathered_input).__name__}")
     if save_gathered_input and float8 is not None:
-        raise ValueError(f"save_gathered_input=True requires float8=None (the fp8 forward gathers fp8 data), got float8={float8!r}")
-    config = _Config(group_name, dim, len(weights), save_gathered_input, strategy, resolve_float8(float8))
-    outs = _AllGatherLinear.apply(config, x_shard, *weights, *biases)
+        raise ValueError("save_gathered_input=True requires float8=None (the fp8 forward gathers fp8 data), got a recipe")
+    outs = _AllGatherLinear.apply(group_name, dim, len(weights), save_gathered_input, strategy, float8, x_shard, *weights, *biases)
     return list(outs) if is_list else outs[0]
 
 
 class _Config:
-    """What the autograd function needs besides tensors (one object: apply() takes positionals)."""
+    """What backward needs besides tensors."""
 
     def __init__(self, group_name: str, dim: int, num_weights: int, save_gathered: bool, strategy: str, float8) -> None:
         self.group_name = group_name
@@ -117,17 +135,15 @@ def _check(x_shard: Any, weights: list, biases: list, gather_dim: Any, world_siz
 
 class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config: _Config, x_shard: torch.Tensor, *params: torch.Tensor | None):
+    def forward(ctx, group_name, dim, num_weights, save_gathered, strategy, float8, x_shard, *params):
+        config = _Config(group_name, dim, num_weights, save_gathered, strategy, float8)
         weights = list(params[: config.num_weights])
         biases = list(params[config.num_weights :])
         return_a = config.save_gathered
         if config.float8 is not None:
             x_gathered, outs = config.float8.all_gather_linear(x_shard, weights, biases, config)
         else:
-            x_gathered, outs = all_gather_matmul(
-                x_shard, [w.t() for w in weights], config.dim, config.group_name,
-                return_a=return_a, biases=biases, strategy=config.strategy,
-            )
+            x_gathered, outs = gather_matmul(x_shard, [w.t() for w in weights], dim, group_name, return_a, biases, strategy)
         ctx.config = config
         ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x_gathered if return_a else x_shard, *weights)
@@ -138,15 +154,15 @@ class _AllGatherLinear(torch.autograd.Function):
         config: _Config = ctx.config
         x_saved, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_x = _dgrad(config, grad_outs, weights) if needs[1] else None
+        grad_x = _dgrad(config, grad_outs, weights) if needs[6] else None
         num = config.num_weights
-        want_w = any(needs[2 : 2 + num])
+        want_w = any(needs[7 : 7 + num])
         grad_ws = _wgrad(config, x_saved, grad_outs) if want_w else [None] * num
         grad_bs = [
-            g.reshape(-1, g.shape[-1]).sum(0) if has and needs[2 + num + i] else None
+            g.reshape(-1, g.shape[-1]).sum(0) if has and needs[7 + num + i] else None
             for i, (g, has) in enumerate(zip(grad_outs, ctx.has_bias))
         ]
-        return (None, grad_x, *grad_ws, *grad_bs)
+        return (None,) * 6 + (grad_x, *grad_ws, *grad_bs)
 
 
 def _dgrad(config: _Config, grad_outs: tuple[torch.Tensor, ...], weights: list[torch.Tensor]) -> torch.Tensor:
@@ -157,7 +173,7 @@ def _dgrad(config: _Config, grad_outs: tuple[torch.Tensor, ...], weights: list[t
         grad_cat, w_cat = torch.cat(grad_outs, dim=-1), torch.cat(weights, dim=0)
     if config.float8 is not None:
         return config.float8.dgrad_reduce_scatter(grad_cat, w_cat, config)
-    return matmul_reduce_scatter(grad_cat, w_cat, config.dim, config.group_name, strategy=config.strategy)
+    return matmul_scatter(grad_cat, w_cat, config.dim, config.group_name, None, config.strategy)
 
 
 def _wgrad(config: _Config, x_saved: torch.Tensor, grad_outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -178,7 +194,5 @@ def _wgrad(config: _Config, x_saved: torch.Tensor, grad_outs: tuple[torch.Tensor
         x_t = x_shard.movedim(dim, 0).reshape(-1, x_shard.shape[-1]).t()
         grads_2d = [g.movedim(dim, 0).reshape(-1, g.shape[-1]) for g in grad_outs]
         gather_dim = 1
-    _, wgrads_t = all_gather_matmul(
-        x_t, grads_2d, gather_dim, config.group_name, return_a=False, strategy=config.strategy
-    )
+    _, wgrads_t = gather_matmul(x_t, grads_2d, gather_dim, config.group_name, False, [None] * len(grads_2d), config.strategy)
     return [w.t() for w in wgrads_t]

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from asynctp.nn.precision import Float8Matmuls, resolve_float8
-from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
-from asynctp.symm import group_name_of, resolve_group
+from asynctp.nn.fused import gather_matmul, matmul_scatter
+from asynctp.symm import resolve_group
 
-__all__ = ["linear_reduce_scatter"]
+__all__ = ["linear_reduce_scatter", "run_linear_reduce_scatter"]
 
 
 def linear_reduce_scatter(
@@ -50,11 +50,27 @@ def linear_reduce_scatter(
     rank). scatter_dim may be any dim of x, the last one too (then the output features are
     scattered and N must divide by R). float8: None or a recipe from asynctp.float8 (or its name).
     """
-    group_name = group_name_of(group)
-    world_size = resolve_group(group_name).size()
+    pg = resolve_group(group)
+    return run_linear_reduce_scatter(
+        pg.group_name, pg.size(), x, weight, bias, scatter_dim=scatter_dim, float8=resolve_float8(float8), strategy=strategy
+    )
+
+
+def run_linear_reduce_scatter(
+    group_name: str,
+    world_size: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    scatter_dim: int,
+    float8: Float8Matmuls | None,
+    strategy: str,
+) -> torch.Tensor:
+    """linear_reduce_scatter with the group and the fp8 recipe already resolved (asynctp.parallel
+    resolves them once at parallelize time: no process-group lookup in a compiled forward)."""
     dim = _check(x, weight, bias, scatter_dim, world_size)
-    config = _Config(group_name, dim, strategy, resolve_float8(float8))
-    return _LinearReduceScatter.apply(config, x, weight, bias)
+    return _LinearReduceScatter.apply(group_name, dim, strategy, float8, x, weight, bias)
 
 
 class _Config:
@@ -89,13 +105,12 @@ def _check(x: Any, weight: Any, bias: Any, scatter_dim: Any, world_size: int) ->
 
 class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, config: _Config, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(ctx, group_name, dim, strategy, float8, x, weight, bias):
+        config = _Config(group_name, dim, strategy, float8)
         if config.float8 is not None:
             out = config.float8.linear_reduce_scatter(x, weight, bias, config)
         else:
-            out = matmul_reduce_scatter(
-                x, weight.t(), config.dim, config.group_name, bias=bias, strategy=config.strategy
-            )
+            out = matmul_scatter(x, weight.t(), dim, group_name, bias, strategy)
         ctx.config = config
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -108,11 +123,11 @@ class _LinearReduceScatter(torch.autograd.Function):
         if config.float8 is not None:
             grad_gathered, grad_x = config.float8.dgrad_all_gather(grad_out_shard, weight, config)
         else:
-            grad_gathered, (grad_x,) = all_gather_matmul(
-                grad_out_shard, [weight], config.dim, config.group_name, return_a=True, strategy=config.strategy
+            grad_gathered, (grad_x,) = gather_matmul(
+                grad_out_shard, [weight], config.dim, config.group_name, True, [None], config.strategy
             )
         grad_2d = grad_gathered.reshape(-1, grad_gathered.shape[-1])
         needs = ctx.needs_input_grad
-        grad_w = grad_2d.t() @ x.reshape(-1, x.shape[-1]) if needs[2] else None
-        grad_b = grad_2d.sum(0) if ctx.has_bias and needs[3] else None
-        return None, grad_x if needs[1] else None, grad_w, grad_b
+        grad_w = grad_2d.t() @ x.reshape(-1, x.shape[-1]) if needs[5] else None
+        grad_b = grad_2d.sum(0) if ctx.has_bias and needs[6] else None
+        return None, None, None, None, grad_x if needs[4] else None, grad_w, grad_b

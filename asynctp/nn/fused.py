@@ -1,0 +1,29 @@
+"""The fused ops as the linears call them: through the public functions in eager mode (their
+dispatcher-free fast path), straight through torch.ops.asynctp when torch.compile traces (the
+public functions look the group up by name, which dynamo cannot trace)."""
+
+from __future__ import annotations
+
+import torch
+
+from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
+
+__all__ = ["gather_matmul", "matmul_scatter"]
+
+
+def gather_matmul(
+    a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str, return_a: bool,
+    biases: list[torch.Tensor | None], strategy: str,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    if torch.compiler.is_compiling():
+        a_gathered, outs = torch.ops.asynctp.all_gather_matmul(a_shard, bs, dim, group_name, return_a, biases, strategy)
+        return a_gathered, list(outs)
+    return all_gather_matmul(a_shard, bs, dim, group_name, return_a=return_a, biases=biases, strategy=strategy)
+
+
+def matmul_scatter(
+    a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str, bias: torch.Tensor | None, strategy: str
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.asynctp.matmul_reduce_scatter(a, b, dim, group_name, "sum", bias, strategy)
+    return matmul_reduce_scatter(a, b, dim, group_name, bias=bias, strategy=strategy)
