@@ -6,6 +6,9 @@ Workspace/get_workspace/reserve, asynctp.ops.* submodules, asynctp.kernels.
 
 from asynctp.config import get_timeout, set_timeout
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
+from asynctp.ops import all_gather_scaled_matmul, scaled_matmul_reduce_scatter
+from asynctp.ops import all_gather, reduce_scatter
+from asynctp import float8
 from asynctp.symm import get_workspace, reserve
 
 __version__ = "0.1.0"
@@ -14,6 +17,13 @@ __all__ = [
     # fused ops (bf16 / fp16 / fp32)
     "all_gather_matmul",
     "matmul_reduce_scatter",
+    # fused ops (float8, torch._scaled_mm scales) and the fp8 recipes
+    "all_gather_scaled_matmul",
+    "scaled_matmul_reduce_scatter",
+    "float8",
+    # low-contention collectives (copy engines, no SMs but one reduction pass)
+    "all_gather",
+    "reduce_scatter",
     # workspaces
     "get_workspace",
     "reserve",

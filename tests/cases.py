@@ -193,7 +193,7 @@ def random_calls(device: str, num_calls: int, seed: int) -> int:
     for i in range(num_calls):
         dtype = rng.choice(list(DTYPES.values()))
         ndim = rng.choice((2, 3))
-        strategy = rng.choice(("auto", "pipeline", "serial"))
+        strategy = rng.choice(("auto", "pipeline", "serial", "ring"))
         if rng.random() < 0.5:
             dim = rng.randrange(-1, ndim)
             check_ag_case(device, dtype, ndim, dim, rng.choice((1, 2)), rng.random() < 0.5, rng.random() < 0.5, strategy, seed=1000 + i)
@@ -276,3 +276,60 @@ def cuda_graph_capture() -> None:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             asynctp.all_gather_matmul(big, [b_big], 0, g, strategy="pipeline")
     torch.cuda.synchronize()
+
+
+def no_workspace_fallback(device: str) -> None:
+    """A group that cannot have a workspace (here: ASYNCTP_DISABLE_SYMM=1 when it is created)
+    warns once, saying why, and "auto" still overlaps, over the send/recv ring, with exact
+    results; strategy="pipeline" runs serially there."""
+    import os
+    import warnings
+
+    rank, ws = world()
+    os.environ["ASYNCTP_DISABLE_SYMM"] = "1"
+    try:
+        group = dist.new_group(list(range(ws)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert asynctp.get_workspace(group, device) is None
+        assert any("ASYNCTP_DISABLE_SYMM is set" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        from asynctp.ops.strategy import choose
+
+        key = ("bfloat16", 1 << 16, 1 << 12, 1 << 12)
+        assert choose("all_gather_matmul", "auto", group, torch.device(device), key)[0] == "ring"
+        shards = [ints((6, 8), r, torch.float32, device) for r in range(ws)]
+        b = ints((8, 6), 3, torch.float32, device)
+        for strategy in ("auto", "pipeline"):
+            a_g, (o,) = asynctp.all_gather_matmul(shards[rank], [b], 0, group, strategy=strategy)
+            assert torch.equal(a_g, torch.cat(shards)) and torch.equal(o, torch.cat(shards) @ b)
+        dist.destroy_process_group(group)
+    finally:
+        os.environ.pop("ASYNCTP_DISABLE_SYMM")
+
+
+def low_contention_collectives(device: str) -> int:
+    """asynctp.all_gather / reduce_scatter on every dim against the plain reference."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    count = 0
+    for dtype in DTYPES.values():
+        for shape in ((3, 4), (2, 3, 4)):
+            for dim in range(len(shape)):
+                shards = [ints(shape, 10 * count + r, dtype, device) for r in range(ws)]
+                got = asynctp.all_gather(shards[rank], dim, g)
+                assert torch.equal(got, torch.cat(shards, dim=dim)), (shape, dim, dtype)
+                full_shape = list(shape)
+                full_shape[dim] *= ws
+                parts = [ints(full_shape, 10 * count + 5 + r, dtype, device) for r in range(ws)]
+                for reduce_op in ("sum", "avg"):
+                    scale = ws if reduce_op == "avg" else 1
+                    out = asynctp.reduce_scatter(parts[rank] * scale, dim, g, reduce_op=reduce_op)
+                    total = sum(p.double() * scale for p in parts)
+                    ref = (total / ws if reduce_op == "avg" else total).chunk(ws, dim=dim)[rank].to(dtype)
+                    assert torch.equal(out, ref), (shape, dim, dtype, reduce_op)
+                count += 1
+    import pytest
+
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        asynctp.reduce_scatter(ints((ws + 1, 2), 0, torch.float32, device), 0, g)
+    return count

@@ -10,6 +10,7 @@ import torch
 from asynctp.ops import guard
 from asynctp.ops.layout import GatherLayout, gather_layout
 from asynctp.ops.pipeline import gather_and_consume
+from asynctp.ops.ring import ring_gather_and_consume
 from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
@@ -80,6 +81,8 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     chosen, ws = choose("all_gather_matmul", strategy, group, a_shard.device, shape_key)
     if chosen == "serial":
         return all_gather_matmul_serial(lay, bs, biases, group, return_a)
+    if chosen == "ring":
+        return _pipelined(group, lay, bs, biases, return_a, 1, False, ring=True)
     ws.op = "all_gather_matmul"
     splits, lockstep = plan_for("all_gather_matmul", shape_key, ws.world_size)
     return _pipelined(ws, lay, bs, biases, return_a, splits, lockstep)
@@ -98,13 +101,24 @@ def _(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
     return (lay.a_gathered(rows) if return_a else None), outs
 
 
+def _gather(ws_or_group, lay: GatherLayout, rows: torch.Tensor, consume, splits: int, lockstep: bool,
+            alternate: bool, ring: bool) -> None:
+    """The all-gather under the consumer: over the workspace, or (ring=True) over send/recv."""
+    if ring:
+        ring_gather_and_consume(ws_or_group, lay.shard_2d, rows, consume)
+    else:
+        gather_and_consume(ws_or_group, [lay.shard_2d], [rows], consume, splits=splits, alternate=alternate,
+                           lockstep=lockstep)
+
+
 def _pipelined(
-    ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int,
-    lockstep: bool,
+    ws: Workspace | Any, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int,
+    lockstep: bool, ring: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """ws: the workspace, or the process group when ring=True."""
     rows = lay.new_rows(lay.shard_2d.shape[1])
     if lay.k_mode:
-        outs = _consume_k_blocks(ws, lay, rows, bs, biases, splits)
+        outs = _consume_k_blocks(ws, lay, rows, bs, biases, splits, ring)
     else:
         out_rows = [lay.new_rows(b.shape[1]) for b in bs]
         m = lay.m
@@ -114,13 +128,14 @@ def _pipelined(
             for out, b, bias in zip(out_rows, bs, biases):
                 matmul_bias(blocks[0], b, bias, out=out[start : start + blocks[0].shape[0]])
 
-        gather_and_consume(ws, [lay.shard_2d], [rows], consume, splits=splits, lockstep=lockstep)
+        _gather(ws, lay, rows, consume, splits, lockstep, True, ring)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows) if return_a else None), outs
 
 
 def _consume_k_blocks(
-    ws: Workspace, lay: GatherLayout, rows: torch.Tensor, bs: list[torch.Tensor], biases: list, splits: int
+    ws: Workspace | Any, lay: GatherLayout, rows: torch.Tensor, bs: list[torch.Tensor], biases: list, splits: int,
+    ring: bool,
 ) -> list[torch.Tensor]:
     """Gather along K: rank r's block [M, k] multiplies rows r*k:(r+1)*k of b; products are
     accumulated in fp32 (one rounding at the end, with the bias, as one GEMM would)."""
@@ -138,7 +153,7 @@ def _consume_k_blocks(
                 acc[lo:hi].add_(torch.mm(blocks[0], block))
 
     # one stream: the accumulators are shared by every step
-    gather_and_consume(ws, [lay.shard_2d], [rows], consume, splits=splits, alternate=False)
+    _gather(ws, lay, rows, consume, splits, False, False, ring)
     outs = []
     for acc, bias in zip(accs, biases):
         if bias is not None:

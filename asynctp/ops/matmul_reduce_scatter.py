@@ -10,6 +10,7 @@ import torch
 from asynctp.ops import guard
 from asynctp.ops.layout import ScatterLayout, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
+from asynctp.ops.ring import ring_produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
@@ -74,6 +75,8 @@ def _run(a, b, dim, group, reduce_op, bias, strategy):
     chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
     if chosen == "serial":
         return matmul_reduce_scatter_serial(lay, b, reduce_op, bias, group)
+    if chosen == "ring":
+        return _pipelined(group, lay, b, reduce_op, bias, 1, ring=True)
     ws.op = "matmul_reduce_scatter"
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
     return _pipelined(ws, lay, b, reduce_op, bias, splits)
@@ -88,9 +91,12 @@ def _(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
 
 
 def _pipelined(
-    ws: Workspace, lay: ScatterLayout, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None, splits: int
+    ws: Workspace | Any, lay: ScatterLayout, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None,
+    splits: int, ring: bool = False,
 ) -> torch.Tensor:
-    n = b.shape[1] // ws.world_size
+    """ws: the workspace, or the process group when ring=True."""
+    world, rank = (ws.size(), ws.rank()) if ring else (ws.world_size, ws.rank)
+    n = b.shape[1] // world
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:
@@ -103,7 +109,10 @@ def _pipelined(
             torch.addmm(acc, a_rows, b_cols, out=out)
 
     chunk_shape = lay.chunk_shape(b.shape[1])
-    out = produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, reduce_op, splits=splits)
+    if ring:
+        out = ring_produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, lay.a_2d.device, reduce_op)
+    else:
+        out = produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, reduce_op, splits=splits)
     if bias is not None:
-        out.add_(bias_chunk(lay, bias, ws.rank))
+        out.add_(bias_chunk(lay, bias, rank))
     return lay.restore(out)

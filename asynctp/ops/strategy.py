@@ -27,13 +27,15 @@ def eager_call_ok(*tensors: torch.Tensor | None) -> bool:
 
 
 def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple) -> tuple[str, Workspace | None]:
-    """(strategy to run, workspace or None). Falls back to "serial" (warned once by get_workspace)
-    when the group has no workspace."""
-    if strategy == "serial":
-        return "serial", None
+    """(strategy to run, workspace or None). Without a workspace (warned once by get_workspace),
+    "auto" overlaps over the send/recv ring where that pays and runs serially elsewhere."""
+    if strategy in ("serial", "ring"):
+        return strategy, None
     ws = get_workspace(group, device)
     if ws is None:
-        return "serial", None
+        from asynctp.ops.tuning import ring_pays
+
+        return ("ring" if strategy == "auto" and ring_pays(device, shape_key) else "serial"), None
     if strategy == "auto":
         from asynctp.ops.tuning import pick
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_path", "pick", "record", "load", "plan_for", "splits_for"]
+__all__ = ["cache_path", "pick", "record", "load", "plan_for", "splits_for", "ring_pays"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
@@ -78,6 +78,14 @@ def pick(op: str, ws, device: torch.device, shape_key: tuple) -> str:
             choice = "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"
         _picked[memo] = choice
     return choice
+
+
+def ring_pays(device: torch.device, shape_key: tuple) -> bool:
+    """Whether the send/recv ring should serve a group that has no workspace."""
+    if device.type != "cuda":
+        return True  # CI exercises the ring through auto when ASYNCTP_DISABLE_SYMM is set
+    _, m, n, k = shape_key
+    return 2 * m * n * k >= _MIN_PIPELINE_FLOP
 
 
 def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:

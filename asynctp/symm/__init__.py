@@ -2,7 +2,8 @@
 
 `get_workspace(group, device)` returns the group's workspace, creating it collectively on first
 use, or None when no backend can serve the group (ranks on several hosts, no peer access, or
-ASYNCTP_DISABLE_SYMM=1); then ops run their serial reference and warn once why. Every rank
+ASYNCTP_DISABLE_SYMM=1); then ops use the send/recv ring or their serial reference, and warn
+once why. Every rank
 reaches the same answer: the checks that decide it are exchanged over the group.
 """
 
@@ -103,8 +104,8 @@ def get_workspace(group: Any, device: torch.device | str) -> Workspace | None:
         warn_once(
             f"no-workspace:{key}",
             f"asynctp: process group {pg.group_name!r} has no symmetric workspace on {device_type} "
-            f"({_reasons[key]}); the fused ops run their serial reference (collective, then matmul) "
-            f"with no overlap",
+            f"({_reasons[key]}); the fused ops overlap over a ring of send/recv (strategy 'ring') "
+            f"where that pays, and run their serial reference (collective, then matmul) elsewhere",
         )
     return ws
 

@@ -8,14 +8,14 @@ from tests import cases
 DEVICE = "cpu"
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto", "ring"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_all_gather_matmul(pool, dtype, strategy):
     counts = pool.run(cases.all_gather_matmul_grid, DEVICE, dtype, strategy)
     assert counts[0] == 28
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto", "ring"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_matmul_reduce_scatter(pool, dtype, strategy):
     counts = pool.run(cases.matmul_reduce_scatter_grid, DEVICE, dtype, strategy)
@@ -37,3 +37,11 @@ def test_opcheck(pool):
 
 def test_200_random_calls(pool):
     assert pool.run(cases.random_calls, DEVICE, 200, 7)[0] == 200
+
+
+def test_group_without_workspace_warns_and_uses_the_ring(pool):
+    pool.run(cases.no_workspace_fallback, DEVICE)
+
+
+def test_low_contention_collectives(pool):
+    assert pool.run(cases.low_contention_collectives, DEVICE)[0] == 10

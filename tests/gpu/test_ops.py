@@ -10,13 +10,13 @@ from tests import cases
 DEVICE = "cuda"
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto", "ring"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_all_gather_matmul(pool, dtype, strategy):
     assert pool.run(cases.all_gather_matmul_grid, DEVICE, dtype, strategy)[0] == 28
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto", "ring"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_matmul_reduce_scatter(pool, dtype, strategy):
     assert pool.run(cases.matmul_reduce_scatter_grid, DEVICE, dtype, strategy)[0] == 28
@@ -46,3 +46,11 @@ def test_large_random_values_match_serial(pool):
 
 def test_cuda_graph_capture_after_reserve(pool):
     pool.run(cases.cuda_graph_capture)
+
+
+def test_group_without_workspace_warns_and_uses_the_ring(pool):
+    pool.run(cases.no_workspace_fallback, DEVICE)
+
+
+def test_low_contention_collectives(pool):
+    assert pool.run(cases.low_contention_collectives, DEVICE)[0] == 10
