@@ -30,6 +30,7 @@ __all__ = [
     "producer_matmul",
     "ancestors",
     "tensor_of",
+    "unforeseen",
 ]
 
 aten = torch.ops.aten
@@ -219,9 +220,18 @@ def _match_gather(ag: fx.Node) -> Gather:
     return g
 
 
+def unforeseen(exc: Exception) -> str:
+    return f"asynctp could not analyse this form ({type(exc).__name__}: {exc})"
+
+
 def find_gathers(graph: fx.Graph) -> list[Gather]:
-    target = _c10d().all_gather_into_tensor.default
-    return [_match_gather(n) for n in graph.nodes if n.target is target]
+    found = []
+    for node in [n for n in graph.nodes if n.target is _c10d().all_gather_into_tensor.default]:
+        try:
+            found.append(_match_gather(node))
+        except Exception as exc:  # noqa: BLE001 - reported as unfused, never a crashed compile
+            found.append(Gather(node, node, node, node.args[0], 0, str(node.args[-1]), problem=unforeseen(exc)))
+    return found
 
 
 def _match_reduce_scatter(rs: fx.Node) -> ReduceScatter:
@@ -255,8 +265,13 @@ def _match_reduce_scatter(rs: fx.Node) -> ReduceScatter:
 
 
 def find_reduce_scatters(graph: fx.Graph) -> list[ReduceScatter]:
-    target = _c10d().reduce_scatter_tensor.default
-    return [_match_reduce_scatter(n) for n in graph.nodes if n.target is target]
+    found = []
+    for node in [n for n in graph.nodes if n.target is _c10d().reduce_scatter_tensor.default]:
+        try:
+            found.append(_match_reduce_scatter(node))
+        except Exception as exc:  # noqa: BLE001 - reported as unfused, never a crashed compile
+            found.append(ReduceScatter(node, None, node.args[0], 0, "", str(node.args[-1]), problem=unforeseen(exc)))
+    return found
 
 
 def _is_flatten_to_2d(node: fx.Node, src: fx.Node) -> bool:

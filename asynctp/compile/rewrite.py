@@ -68,6 +68,7 @@ class _Rewriter:
         self.graph = graph
         self.erased: set[fx.Node] = set()
         self.cursor: fx.Node | None = None
+        self.mutated = False
         self.gathers: dict[fx.Node, pt.Gather] = {}  # by result node
         self.absorbed: dict[fx.Node, str] = {}  # rowwise-scale gathers folded into a fused op
         vals = [n.meta.get("val") for n in graph.nodes]
@@ -82,9 +83,23 @@ class _Rewriter:
         where = self.graph.inserting_before(before) if before is not None else self.graph.inserting_after(self.cursor)
         with where:
             node = self.graph.call_function(target, args)
+        self.mutated = True
         node.meta["val"] = self._fake_value(target, args)
         self.cursor = node
         return node
+
+    def guarded(self, kind: str, node: fx.Node, rewrite: Any, item: Any) -> CollectiveRecord:
+        """rewrite(item), or an unfused record when matching fails on an unforeseen graph form;
+        an error after the graph was edited cannot be undone and propagates."""
+        self.mutated = False
+        try:
+            return rewrite(item)
+        except Exception as exc:  # noqa: BLE001 - the report must say why, not crash the compile
+            if self.mutated:
+                raise
+            reason = pt.unforeseen(exc)
+            return CollectiveRecord(kind=kind, node=node.name, dim=None, shape=None,
+                                    group_name=str(node.args[-1]), fused=False, reason=reason)
 
     def _fake_value(self, target: Any, args: tuple) -> Any:
         def val(a: Any) -> Any:
@@ -315,9 +330,10 @@ def rewrite_graph(graph: fx.Graph) -> list[CollectiveRecord]:
                 fused=True, op=AG_SCALED_OP, reason=f"the rowwise A scale, gathered with A by {rewriter.absorbed[g.ag]}",
             )
         else:
-            found[i] = rewriter.gather(g)
+            found[i] = rewriter.guarded("all-gather", g.ag, rewriter.gather, g)
     records = [found[i] for i in range(len(gathers))]
-    records += [rewriter.reduce_scatter(r) for r in pt.find_reduce_scatters(graph)]
+    records += [rewriter.guarded("reduce-scatter", r.rs, rewriter.reduce_scatter, r)
+                for r in pt.find_reduce_scatters(graph)]
     if any(r.fused for r in records):
         stable_topological_sort(graph)
         graph.lint()

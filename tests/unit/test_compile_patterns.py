@@ -196,3 +196,15 @@ def test_mlp_forward_two_fusions_in_order():
     gm, records = rewrite(f, (2, 3, 8), (16, 8), (16, 8), (8, 16))
     assert [(r.kind, r.fused, r.num_matmuls) for r in records] == [("all-gather", True, 2), ("reduce-scatter", True, 1)]
     assert not {C10D_AG, C10D_RS, "aten.mm.default"} & set(cc.targets(gm))
+
+
+def test_an_unforeseen_form_is_reported_not_raised(monkeypatch):
+    from asynctp.compile import patterns
+
+    def broken(result):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(patterns, "consumer_matmuls", broken)
+    gm, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
+    assert not rec.fused and "could not analyse this form (KeyError" in rec.reason
+    assert C10D_AG in cc.targets(gm)  # the graph is left as it was
