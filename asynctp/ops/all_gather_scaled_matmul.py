@@ -99,7 +99,8 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     mode = "rowwise" if rowwise else "tensorwise"
     shape_key = (f"{str(a_shard.dtype).removeprefix('torch.')}-{mode}", m_total, n_total, bs[0].shape[0])
     chosen, ws = choose("all_gather_scaled_matmul", strategy, group, a_shard.device, shape_key)
-    if chosen == "serial":
+    # the fp8 ops have two implementations: anything but a workspace pipeline runs serially
+    if ws is None or chosen == "serial":
         return all_gather_scaled_matmul_serial(
             lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, group, return_a
         )

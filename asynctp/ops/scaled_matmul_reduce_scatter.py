@@ -92,7 +92,8 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     mode = "rowwise" if rowwise else "tensorwise"
     shape_key = (f"{str(a.dtype).removeprefix('torch.')}-{mode}", lay.a_2d.shape[0], b.shape[1], b.shape[0])
     chosen, ws = choose("scaled_matmul_reduce_scatter", strategy, group, a.device, shape_key)
-    if chosen == "serial":
+    # the fp8 ops have two implementations: anything but a workspace pipeline runs serially
+    if ws is None or chosen == "serial":
         return scaled_matmul_reduce_scatter_serial(
             lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum, group
         )
