@@ -70,6 +70,7 @@ def probe_shape(M, g, rank, ws):
         assert torch.equal(got[0], ref[0])
         torch.testing.assert_close(got[1][0], ref[1][0], rtol=2e-2, atol=2e-2)
         r[f"pipe{sp}"] = timeit(call)
+    r["ring"] = timeit(lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="ring"))
     try:
         r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gn))
     except Exception as e:  # noqa: BLE001
@@ -86,6 +87,7 @@ def probe_shape(M, g, rank, ws):
         call = with_splits(sp, lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="pipeline"))
         torch.testing.assert_close(call(), ref, rtol=2e-2, atol=5e-2)
         r[f"pipe{sp}"] = timeit(call)
+    r["ring"] = timeit(lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="ring"))
     try:
         r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a2, b2, "sum", 0, gn))
     except Exception as e:  # noqa: BLE001
