@@ -87,7 +87,9 @@ class AsyncTPPass(CustomGraphPass):
 def enable(fail_if_unfused: bool = False) -> AsyncTPPass:
     """Install the pass for every later torch.compile (inductor) compilation in this process.
 
-    Graphs compile lazily, at a compiled function's first call: enable before that call.
+    Graphs compile lazily: the forward at a compiled function's first call, the backward at the
+    first backward; enable before both. The setting is inductor's process-wide
+    post_grad_custom_post_pass (passes already there keep running, before this one).
     fail_if_unfused=True turns an unfused TP collective into an UnfusedCollectiveError carrying
     the graph's fusion report (the compile fails). Calling enable again replaces the settings.
     """
@@ -127,8 +129,9 @@ def disable() -> None:
 
 @contextlib.contextmanager
 def enabled(fail_if_unfused: bool = False) -> Iterator[AsyncTPPass]:
-    """`with asynctp.compile.enabled(): compiled(x)`: the pass is installed inside the block only
-    (the first call of a compiled function, which compiles it, must be inside)."""
+    """`with asynctp.compile.enabled(): loss = compiled(x); loss.backward()`: the pass is installed
+    inside the block only, so the calls that compile (the first forward and backward) must be
+    inside it."""
     was = inductor_config.post_grad_custom_post_pass
     try:
         yield enable(fail_if_unfused)

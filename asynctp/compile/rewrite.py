@@ -266,7 +266,8 @@ class _Rewriter:
         for node in producers:
             users = [u for u in node.users if u not in r.nodes and u is not r.input]
             if users:
-                return f"matmul output has {len(users) + 1} users ({', '.join(u.name for u in users)} besides the reduce-scatter)"
+                others = ", ".join(u.name for u in users)
+                return f"matmul output has {len(users) + 1} users ({others} besides the reduce-scatter)"
         if r.reduce_op not in ("sum", "avg"):
             return f"reduce op {r.reduce_op!r} (asynctp fuses sum and avg)"
         a = pt.tensor_of(m.a)
@@ -327,7 +328,8 @@ def rewrite_graph(graph: fx.Graph) -> list[CollectiveRecord]:
             found[i] = CollectiveRecord(
                 kind="all-gather", node=g.ag.name, dim=g.gather_dim, group_name=g.group_name,
                 shape=tuple(pt.tensor_of(g.shard).shape) if pt.tensor_of(g.shard) is not None else None,
-                fused=True, op=AG_SCALED_OP, reason=f"the rowwise A scale, gathered with A by {rewriter.absorbed[g.ag]}",
+                fused=True, op=AG_SCALED_OP,
+                reason=f"the rowwise A scale, gathered with A by {rewriter.absorbed[g.ag]}",
             )
         else:
             found[i] = rewriter.guarded("all-gather", g.ag, rewriter.gather, g)
