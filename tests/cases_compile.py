@@ -82,6 +82,17 @@ def output_shapes(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
     return vals
 
 
+@contextlib.contextmanager
+def fresh_compiles() -> Iterator[None]:
+    """No inductor / AOTAutograd cache hits: a graph loaded from a cache is not rewritten (nor
+    reported) again, so a test that reads the fusion report must compile afresh."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
 # --- rank side: a tiny sequence-parallel block under DTensor styles -----------------------------
 
 
@@ -165,14 +176,11 @@ def compiled_block_matches(device: str) -> dict[str, Any]:
     """Rank body: the compiled block with the pass gives the same loss and gradients as without
     it (to rounding: a wrong rewrite is off by O(1)); returns the fusion report's counts."""
     import torch._dynamo
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
 
     import asynctp.compile
 
     torch._dynamo.reset()
-    # graphs loaded from the FX graph cache are not rewritten again (nor reported): compile afresh
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    with fresh_compiles():
         plain = run_block(build_block(device), compiled=True, device=device)
         torch._dynamo.reset()
         asynctp.compile.fusion_report(clear=True)
@@ -225,14 +233,13 @@ def _fp8_inputs(device: str) -> list[torch.Tensor]:
 def compiled_fp8_matches(device: str) -> dict[str, Any]:
     """Rank body: fp8_step compiled with the pass gives what it gives without; returns counts."""
     import torch._dynamo
-    import torch._inductor.config as inductor_config
 
     import asynctp.compile
 
     # cuBLAS's rowwise _scaled_mm writes bf16 only; the small-integer values are exact in bf16
     args = [*_fp8_inputs(device), torch.bfloat16 if device == "cuda" else torch.float32]
     torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False):
+    with fresh_compiles():
         plain = torch.compile(fp8_step)(*args)
         torch._dynamo.reset()
         asynctp.compile.fusion_report(clear=True)
@@ -275,7 +282,6 @@ def time_block_variants(dim: int = 4096, hidden: int = 14336, num_heads: int = 3
     compiled + asynctp's pass (bf16, batch 1, the whole sequence split over ranks); the outputs
     of the three agree; asynctp's report lists no unfused collective."""
     import torch._dynamo
-    import torch._inductor.config as inductor_config
 
     import asynctp.compile
 
@@ -290,7 +296,7 @@ def time_block_variants(dim: int = 4096, hidden: int = 14336, num_heads: int = 3
     def variant(name: str, context: Any) -> None:
         torch._dynamo.reset()
         try:
-            with inductor_config.patch(fx_graph_cache=False), context:
+            with fresh_compiles(), context:
                 fn = torch.compile(block)
                 results[name] = _step_ms(fn, x, iters)
                 outs[name] = fn(x).detach().float()

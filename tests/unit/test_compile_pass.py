@@ -140,7 +140,7 @@ def test_torch_compile_runs_the_pass_and_fails_loudly():
 
     torch._dynamo.reset()
     try:
-        with inductor_config.patch(fx_graph_cache=False), atc.enabled(fail_if_unfused=True):
+        with cc.fresh_compiles(), atc.enabled(fail_if_unfused=True):
             with pytest.raises(Exception, match="gather feeds no matmul"):
                 torch.compile(f)(torch.randn(4, 8))
     finally:
