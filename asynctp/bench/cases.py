@@ -9,7 +9,7 @@ a_shard [M / R, K] @ b [K, N]; "scatter" rows: a [M, N] @ b [N, K] -> out [M / R
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ class OpCase:
     kind: str  # "gather" or "scatter": which rows of each shape set it runs
     build: Callable[[Shape, torch.dtype, dist.ProcessGroup, torch.device, int], Problem]
     requires: Callable[[], str | None]  # why it cannot run in this installation (None: it can)
+    strategies: Callable[[], Sequence[str]]  # every strategy the op takes, "auto" and "serial" too
 
 
 CASES: dict[str, OpCase] = {}
@@ -55,7 +56,15 @@ def _always() -> str | None:
     return None
 
 
-def register(name: str, kind: str, requires: Callable[[], str | None] = _always):
+def _strategies() -> Sequence[str]:
+    """The bf16/fp16/fp32 ops' strategies, read when asked: a new one is benchmarked at once."""
+    from asynctp.ops.validate import STRATEGIES
+
+    return STRATEGIES
+
+
+def register(name: str, kind: str, requires: Callable[[], str | None] = _always,
+             strategies: Callable[[], Sequence[str]] = _strategies):
     """Decorator: add `build(shape, dtype, group, device, seed) -> Problem` to CASES as `name`."""
     if kind not in KINDS:
         raise ValueError(f"register requires a kind in {list(KINDS)}, got {kind!r}")
@@ -63,7 +72,7 @@ def register(name: str, kind: str, requires: Callable[[], str | None] = _always)
     def wrap(build: Callable[..., Problem]) -> Callable[..., Problem]:
         if name in CASES:
             raise ValueError(f"register requires a new op name, got {name!r} twice")
-        CASES[name] = OpCase(name, kind, build, requires)
+        CASES[name] = OpCase(name, kind, build, requires, strategies)
         return build
 
     return wrap
@@ -248,6 +257,12 @@ def _float8_missing(public_name: str) -> Callable[[], str | None]:
     return requires
 
 
+def _float8_strategies() -> Sequence[str]:
+    from asynctp.ops.scales import STRATEGIES
+
+    return STRATEGIES
+
+
 def _check_gather_fp8(got: Any, want: Any) -> None:
     _check_gather(got, want, close=check_sqnr)
 
@@ -359,11 +374,12 @@ def _register_float8() -> None:
     """all_gather_scaled_matmul_<recipe> and scaled_matmul_reduce_scatter_<recipe>, for the named
     recipes of asynctp.float8 (they run only once asynctp exports the ops)."""
     for recipe in ("rowwise", "tensorwise"):
-        register(f"all_gather_scaled_matmul_{recipe}", "gather", _float8_missing("all_gather_scaled_matmul"))(
-            _all_gather_scaled_matmul(recipe))
+        register(f"all_gather_scaled_matmul_{recipe}", "gather", _float8_missing("all_gather_scaled_matmul"),
+                 _float8_strategies)(_all_gather_scaled_matmul(recipe))
     for recipe in ("rowwise", "tensorwise"):
         register(f"scaled_matmul_reduce_scatter_{recipe}", "scatter",
-                 _float8_missing("scaled_matmul_reduce_scatter"))(_scaled_matmul_reduce_scatter(recipe))
+                 _float8_missing("scaled_matmul_reduce_scatter"), _float8_strategies)(
+            _scaled_matmul_reduce_scatter(recipe))
 
 
 _register_float8()

@@ -65,11 +65,9 @@ class BenchConfig:
             raise ValueError(f"warmup requires a non-negative count, got {self.warmup}")
 
 
-def pipelined_strategies() -> list[str]:
-    """Every asynctp strategy other than "auto" and "serial" (new ones appear here by themselves)."""
-    from asynctp.ops.validate import STRATEGIES
-
-    return [s for s in STRATEGIES if s not in ("auto", "serial")]
+def pipelined_strategies(case: OpCase) -> list[str]:
+    """Every strategy of the op other than "auto" and "serial" (new ones appear by themselves)."""
+    return [s for s in case.strategies() if s not in ("auto", "serial")]
 
 
 def variant(strategy: str) -> str:
@@ -177,11 +175,11 @@ class _Row:
         self.time(key, replay)
 
 
-def _tune(row: _Row, world_size: int) -> str:
+def _tune(row: _Row, strategies: list[str], world_size: int) -> str:
     """Record the fastest measured eager strategy for this shape; rank 0 decides for all."""
     from asynctp.ops import tuning
 
-    candidates = ["serial", *pipelined_strategies()]
+    candidates = ["serial", *strategies]
     best = [min(candidates, key=lambda s: row.times.get(variant(s), float("inf")))]
     dist.broadcast_object_list(best, src=dist.get_global_rank(row.group, 0), group=row.group)
     tuning.record(row.problem.op, world_size, row.device, row.problem.shape_key, best[0])
@@ -223,7 +221,7 @@ def measure_shape(
     if failure is not None:
         out["error"] = f"row not timed: {failure}"
         return out
-    strategies = pipelined_strategies()
+    strategies = pipelined_strategies(case)
     failure = _agree(group, _check_strategies(problem, want, [*strategies, "auto"]))
     if failure is not None:
         out["error"] = f"results differ from serial, row not timed: {failure}"
@@ -243,7 +241,7 @@ def measure_shape(
         row.skipped[TORCH] = row.skipped[TORCH_GRAPH] = torch_failure
 
     if cfg.tune:
-        out["tuned_strategy"] = _tune(row, group.size())
+        out["tuned_strategy"] = _tune(row, strategies, group.size())
     auto_failure = _agree(group, _attempt(lambda: problem.asynctp("auto"), want, problem.check))
     if auto_failure is not None:  # only after tuning switched auto to another strategy
         out["error"] = f"auto differs from serial after tuning: {auto_failure}"

@@ -9,9 +9,16 @@ from asynctp.bench.cases import check_close, check_sqnr
 
 
 def test_new_strategies_are_measured_without_a_harness_change(monkeypatch):
-    assert measure.pipelined_strategies() == ["pipeline"]
-    monkeypatch.setattr("asynctp.ops.validate.STRATEGIES", ("auto", "serial", "pipeline", "async_input"))
-    assert measure.pipelined_strategies() == ["pipeline", "async_input"]
+    from asynctp.bench.cases import CASES
+    from asynctp.ops import scales, validate
+
+    ag, ag_fp8 = CASES["all_gather_matmul"], CASES["all_gather_scaled_matmul_rowwise"]
+    assert "pipeline" in measure.pipelined_strategies(ag)
+    assert not {"auto", "serial"} & set(measure.pipelined_strategies(ag))
+    monkeypatch.setattr(validate, "STRATEGIES", ("auto", "serial", "pipeline", "async_input"))
+    monkeypatch.setattr(scales, "STRATEGIES", ("auto", "serial", "pipeline"))
+    assert measure.pipelined_strategies(ag) == ["pipeline", "async_input"]
+    assert measure.pipelined_strategies(ag_fp8) == ["pipeline"]  # each op its own list
     assert measure.variant("async_input") == "asynctp_async_input" and measure.variant("serial") == "serial"
 
 
