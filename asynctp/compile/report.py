@@ -28,7 +28,7 @@ class CollectiveRecord:
     fused: bool
     op: str | None = None  # the asynctp op it became
     num_matmuls: int = 0  # matmuls folded into the op
-    reason: str | None = None  # why it was not fused (or, if fused, what stayed outside)
+    reason: str | None = None  # why it was not fused (if fused: a note, e.g. what stayed outside)
     tp: bool = True  # False: not a TP activation collective (e.g. a parameter gather); never raises
 
     def describe(self) -> str:

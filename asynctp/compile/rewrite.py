@@ -29,6 +29,8 @@ RS_OP = "asynctp.matmul_reduce_scatter"
 AG_SCALED_OP = "asynctp.all_gather_scaled_matmul"
 RS_SCALED_OP = "asynctp.scaled_matmul_reduce_scatter"
 NO_SCALED_OP = "asynctp has no fused scaled op in this version"
+# without a workspace these ops still overlap, over a send/recv ring (the scaled ops run serially)
+RING_NOTE = "the op overlaps over the send/recv ring where that pays, else runs serially"
 
 
 def graph_kind(graph: fx.Graph) -> str:
@@ -51,6 +53,11 @@ def workspace_problem(group_name: str, device: torch.device | None) -> str | Non
     device_type = device.type if device is not None else "cpu"
     reason = _local_reason(group, device_type) or unavailable_reason(group, device_type)
     return f"group has no symmetric workspace ({reason})" if reason else None
+
+
+def _ring_note(group_name: str, val: torch.Tensor | None) -> str | None:
+    problem = workspace_problem(group_name, val.device if val is not None else None)
+    return f"{problem}: {RING_NOTE}" if problem else None
 
 
 def _scaled_op(name: str) -> Any | None:
@@ -164,9 +171,10 @@ class _Rewriter:
         problem = self._fuse_gather(g, kept)
         if problem:
             return CollectiveRecord(fused=False, reason=problem, num_matmuls=len(kept), **record)
-        note = None
+        notes = [_ring_note(g.group_name, pt.tensor_of(g.result))]
         if left_out:
-            note = f"{len(left_out)} matmul(s) left outside: {left_out[0].problem or 'B depends on the gathered A'}"
+            notes.append(f"{len(left_out)} matmul(s) left outside: {left_out[0].problem or 'B depends on the gathered A'}")
+        note = "; ".join(n for n in notes if n) or None
         return CollectiveRecord(fused=True, op=AG_OP, num_matmuls=len(kept), reason=note, **record)
 
     def _gather_problem(self, g: pt.Gather, matmuls: list[pt.Matmul]) -> str | None:
@@ -177,7 +185,9 @@ class _Rewriter:
             return "the gathered tensor feeds both scaled (fp8) and plain matmuls"
         if not matmuls[0].scaled and result.dtype not in _FLOATS:
             return f"the gathered dtype {result.dtype} is not a float asynctp multiplies"
-        return workspace_problem(g.group_name, result.device)
+        if matmuls[0].scaled:
+            return workspace_problem(g.group_name, result.device)
+        return None
 
     def _fuse_gather(self, g: pt.Gather, matmuls: list[pt.Matmul]) -> str | None:
         """Fuse; returns why not (the op's own checks), or None."""
@@ -255,7 +265,7 @@ class _Rewriter:
             return CollectiveRecord(fused=False, reason=problem, num_matmuls=1, **record)
         fused = self.call(torch.ops.asynctp.matmul_reduce_scatter.default, args, r.wait)
         self.finish_reduce_scatter(r, m, fused)
-        return CollectiveRecord(fused=True, op=RS_OP, num_matmuls=1, **record)
+        return CollectiveRecord(fused=True, op=RS_OP, num_matmuls=1, reason=_ring_note(r.group_name, val), **record)
 
     def _rs_problem(self, r: pt.ReduceScatter, m: pt.Matmul) -> str | None:
         if m.problem:
@@ -275,7 +285,7 @@ class _Rewriter:
             return "the graph carries no shapes (meta['val']) for the matmul input"
         if a.dtype not in _FLOATS and not m.scaled:
             return f"the matmul dtype {a.dtype} is not a float asynctp multiplies"
-        return workspace_problem(r.group_name, a.device)
+        return workspace_problem(r.group_name, a.device) if m.scaled else None
 
     def finish_reduce_scatter(self, r: pt.ReduceScatter, m: pt.Matmul, fused: fx.Node) -> None:
         # the un-waited collective may be saved for backward too: it holds the same values

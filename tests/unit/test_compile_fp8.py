@@ -123,3 +123,14 @@ def test_type_erased_gather_dim1_bias_and_two_matmuls():
         assert rec.dim == 1 and rec.num_matmuls == 2
         (node,) = cc.nodes_of(gm, "asynctp.all_gather_scaled_matmul.default")
         assert node.args[4] == 1 and node.args[7][0] is not None and node.args[7][1] is None
+
+
+@pytest.mark.skipif(not HAS_SCALED, reason="this asynctp has no fused scaled ops")
+def test_no_symmetric_workspace_leaves_fp8_unfused(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")  # the scaled ops would run serially
+
+    def f(x, w, sa, sb):
+        return torch._scaled_mm(cc.gather(x.to(F8), 0), w.to(F8).t(), sa, sb, out_dtype=BF16)
+
+    _, (rec,) = rewrite(f, (4, 16), (16, 16), (), ())
+    assert not rec.fused and rec.reason.startswith("group has no symmetric workspace")

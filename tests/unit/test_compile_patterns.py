@@ -111,10 +111,12 @@ def test_gathered_weight_is_not_a_tp_collective():
     assert not rec.fused and not rec.tp and "is B of" in rec.reason
 
 
-def test_no_symmetric_workspace(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")
+def test_no_symmetric_workspace_is_fused_with_a_note(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")  # the op then overlaps over send/recv
     _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
-    assert not rec.fused and rec.reason.startswith("group has no symmetric workspace")
+    assert rec.fused and rec.reason.startswith("group has no symmetric workspace") and "ring" in rec.reason
+    _, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0), (4, 8), (8, 6))
+    assert rec.fused and rec.reason.startswith("group has no symmetric workspace")
 
 
 def test_integer_gather_is_not_fused():
