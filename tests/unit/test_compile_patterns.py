@@ -210,3 +210,28 @@ def test_an_unforeseen_form_is_reported_not_raised(monkeypatch):
     gm, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
     assert not rec.fused and "could not analyse this form (KeyError" in rec.reason
     assert C10D_AG in cc.targets(gm)  # the graph is left as it was
+
+
+def test_slice_cat_forms():
+    """Some torch versions reassemble with slices instead of split + getitem."""
+
+    def f(x, w):
+        rows = cc.gather(x, 0)  # [2 * 2, 3, 8], rank-major
+        a = torch.cat([rows[0:2], rows[2:4]], dim=1)  # gathered along dim 1
+        p = a @ w  # [2, 6, 6]
+        return cc.reduce_scatter(torch.cat([p[:, 0:3], p[:, 3:6]], dim=0), 0)  # scattered along dim 1
+
+    gm, records = rewrite(f, (2, 3, 8), (8, 6))
+    assert [(r.kind, r.fused, r.dim) for r in records] == [("all-gather", True, 1), ("reduce-scatter", False, 1)]
+    # the product feeds the reduce-scatter directly: the gather's op took the matmul, so the
+    # reduce-scatter has no matmul left to fuse with
+    assert "not a matmul" in records[1].reason
+
+
+def test_slice_cat_reduce_scatter():
+    def f(a, b):
+        p = a @ b  # [2, 6, 6]
+        return cc.reduce_scatter(torch.cat([p[:, 0:3], p[:, 3:6]], dim=0), 0)
+
+    gm, (rec,) = rewrite(f, (2, 6, 8), (8, 6))
+    assert rec.fused and rec.dim == 1 and fused_node(gm, RS).args[2] == 1
