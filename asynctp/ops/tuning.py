@@ -19,9 +19,11 @@ __all__ = ["cache_path", "pick", "record", "load", "plan_for", "splits_for", "ri
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
-# Total matmul FLOPs under which a pipeline cannot pay on one GPU per rank (measured on 2xH200:
-# see benchmarks/results/README.md). Override by tuning.
-_MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
+# Total matmul FLOPs under which a pipeline is not assumed to pay, without a tuning entry. On
+# 2xH200 (benchmarks/probe_pipeline.py) the pipeline beat serial at M 4096 and 8192 (N 3584,
+# K 8192) in every run, but at M 2048 only when the host was fast: there a call's GPU time
+# (~200 us) is close to its host time (~160 us), so "auto" stays serial unless tuned.
+_MIN_PIPELINE_FLOP = 2 * 4096 * 3584 * 8192
 _table: dict[str, str] | None = None
 _picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
 
