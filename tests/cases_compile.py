@@ -306,7 +306,7 @@ def time_block_variants(dim: int = 4096, hidden: int = 14336, num_heads: int = 3
         block.zero_grad(set_to_none=True)
 
     variant("vanilla", contextlib.nullcontext())
-    variant("torch_pass", _torch_async_tp())
+    variant("torch_pass", _torch_async_tp(block.wq.weight.device_mesh.get_group().group_name))
     asynctp.compile.fusion_report(clear=True)
     variant("asynctp_pass", asynctp.compile.enabled())
     torch._dynamo.reset()
@@ -321,11 +321,11 @@ def time_block_variants(dim: int = 4096, hidden: int = 14336, num_heads: int = 3
 
 
 @contextlib.contextmanager
-def _torch_async_tp() -> Iterator[None]:
+def _torch_async_tp(group_name: str) -> Iterator[None]:
     """torch's own pass: on for inductor, with symmetric memory enabled for the TP group."""
     import torch._inductor.config as inductor_config
     from torch.distributed import _symmetric_memory as symm_mem
 
-    symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    symm_mem.enable_symm_mem_for_group(group_name)
     with inductor_config.patch(_micro_pipeline_tp=True):
         yield
