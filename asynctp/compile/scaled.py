@@ -77,6 +77,7 @@ def fuse_scaled_gather(rw: Any, g: pt.Gather, matmuls: list[pt.Matmul], op: Any,
             out_dtype, biases, matmuls[0].use_fast_accum, True, "auto")
     problem = rw.rejects(op.default, args)
     if problem:
+        rw.erase_unused([shard] if shard is not g.shard else [])
         return problem, None
     first = rw.earliest([m.pre or m.mm for m in matmuls])
     fused = rw.call(op.default, args, first)
