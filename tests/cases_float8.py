@@ -241,7 +241,7 @@ def alignment_cases(device: str, splits: int | None = None) -> int:
     count = 0
     with checked_scaled_mm(), _splits(splits):
         for m in range(1, 9):
-            for strategy in ("pipeline", "serial"):
+            for strategy in ("pipeline", "ring", "serial"):
                 check_ag(device, ndim=2, gather_dim=0, a_mode="rowwise", b_mode="per_column",
                          out_dtype=torch.bfloat16, num_bs=1, with_bias=m % 2 == 0, return_a=True,
                          strategy=strategy, seed=200 + m, shape=[m, K_BLOCK])
@@ -393,7 +393,8 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, float]:
     """Both recipes on random normal bf16 data through both ops: SQNR against the bf16-input matmul
     (computed in fp32) >= 25 dB; the pipeline equals the serial strategy; tensorwise scales agree
-    over the group although each rank's shard differs. Returns the SQNRs (dB) by case."""
+    over the group although each rank's shard differs. Returns the SQNRs (dB) by case.
+    (The ring's partial sums travel in bf16, rounded at each hop: close to serial, not equal.)"""
     rank, ws = world()
     g = dist.group.WORLD
     result = {}
@@ -413,11 +414,11 @@ def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, fl
         dist.all_gather(xs, x_shard, group=g)
         for gather_dim in (0, 1):
             kw = dict(use_fast_accum=recipe.use_fast_accum)
-            _, (o_p,) = all_gather_scaled_matmul(x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g,
-                                                 strategy="pipeline", **kw)
-            _, (o_s,) = all_gather_scaled_matmul(x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g,
-                                                 strategy="serial", **kw)
-            torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=1e-2)
+            args = (x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g)
+            _, (o_s,) = all_gather_scaled_matmul(*args, strategy="serial", **kw)
+            for strategy in ("ring", "pipeline"):
+                _, (o_p,) = all_gather_scaled_matmul(*args, strategy=strategy, **kw)
+                torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=1e-2)
             ref = torch.cat(xs, dim=gather_dim).float() @ w.float().t()
             result[f"ag-{name}-dim{gather_dim}"] = sqnr(ref, o_p)
         # row-parallel: x and w sharded over K; x is not gathered, so no agreement is needed
@@ -429,9 +430,11 @@ def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, fl
         w_fp8, w_scale = quantize_weight(w_r, recipe)
         full_ref = x_full.float() @ w_full.float().t()
         for scatter_dim in (0, 1):
-            o_p = scaled_matmul_reduce_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g, strategy="pipeline")
-            o_s = scaled_matmul_reduce_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g, strategy="serial")
-            torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=1e-2)
+            args = (x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g)
+            o_s = scaled_matmul_reduce_scatter(*args, strategy="serial")
+            for strategy in ("ring", "pipeline"):
+                o_p = scaled_matmul_reduce_scatter(*args, strategy=strategy)
+                torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=2e-2)
             result[f"rs-{name}-dim{scatter_dim}"] = sqnr(full_ref.chunk(ws, dim=scatter_dim)[rank], o_p)
     low = {key: v for key, v in result.items() if v < 25}
     assert not low, f"SQNR below 25 dB: {low}"

@@ -3,17 +3,21 @@ multiply it by float8 matrices with torch._scaled_mm, overlapping the gather wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from asynctp.ops import guard
 from asynctp.ops.layout import GatherLayout, gather_layout
 from asynctp.ops.pipeline import gather_and_consume
+from asynctp.ops.ring import ring_gather_and_consume
 from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm
 from asynctp.ops.scales import aligned, check_all_gather_scaled_matmul, column_major, expand_cols, expand_rows
 from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import splits_for
-from asynctp.symm import Workspace, resolve_group
+from asynctp.ops.tuning import plan_for
+from asynctp.symm import resolve_group
 
 __all__ = ["all_gather_scaled_matmul"]
 
@@ -90,6 +94,8 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     """The implementation, on validated arguments (`checked`: what the check returned)."""
     dim, bs, b_scales, biases, rowwise = checked
     world = group.size()
+    if guard.enabled():
+        _preflight(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy)
     lay = gather_layout(a_shard, dim, world)
     # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
     scale_2d = gather_layout(a_scale, dim, world).shard_2d if rowwise else None
@@ -99,15 +105,52 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     mode = "rowwise" if rowwise else "tensorwise"
     shape_key = (f"{str(a_shard.dtype).removeprefix('torch.')}-{mode}", m_total, n_total, bs[0].shape[0])
     chosen, ws = choose("all_gather_scaled_matmul", strategy, group, a_shard.device, shape_key)
-    # the fp8 ops have two implementations: anything but a workspace pipeline runs serially
+    args = (lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, return_a)
+    if chosen == "ring":
+        return _pipelined(_ring_gather(group, lay, scale_2d), *args)
     if ws is None or chosen == "serial":
         return all_gather_scaled_matmul_serial(
             lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, group, return_a
         )
     ws.op = "all_gather_scaled_matmul"
-    # the bf16 op's row-block heuristic: the pipeline is the same
-    splits = splits_for("all_gather_matmul", shape_key, world)
-    return _pipelined(ws, lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, return_a, splits)
+    # the bf16 op's plan (row blocks, lockstep): the pipeline is the same
+    splits, lockstep = plan_for("all_gather_matmul", shape_key, world)
+
+    def gather(shards, gathered, consume, alternate: bool) -> None:
+        gather_and_consume(ws, shards, gathered, consume, splits=splits, alternate=alternate, lockstep=lockstep)
+
+    return _pipelined(gather, *args)
+
+
+def _ring_gather(group: dist.ProcessGroup, lay: GatherLayout, scale_2d: torch.Tensor | None):
+    """The gather over send/recv (no workspace). The ring moves one tensor, a's rows; a rowwise
+    scale (4 bytes a row) is all-gathered up front and each chunk is handed its scale rows."""
+    m, world = lay.m, lay.world_size
+    scale_rows = None
+    if scale_2d is not None:
+        scale_rows = scale_2d.new_empty((world * m, 1))
+        dist.all_gather_into_tensor(scale_rows, scale_2d, group=group)
+
+    def gather(shards, gathered, consume, alternate: bool) -> None:
+        def with_scale(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+            rows = blocks[0].shape[0]
+            extra = [] if scale_rows is None else [scale_rows[src * m + lo : src * m + lo + rows]]
+            consume(src, lo, [blocks[0], *extra])
+
+        ring_gather_and_consume(group, shards[0], gathered[0], with_scale)
+
+    return gather
+
+
+def _preflight(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy) -> None:
+    """guard's optional checks; a tensorwise a_scale must also be the same value on every rank."""
+    dim, bs, b_scales, biases, rowwise = checked
+    meta = dict(a_shard=a_shard, bs=bs, a_scale=a_scale, b_scales=b_scales, biases=biases, gather_dim=dim,
+                out_dtype=str(out_dtype), use_fast_accum=use_fast_accum, return_a=return_a, strategy=strategy,
+                a_scale_value=None if rowwise else float(a_scale.reshape(())))
+    # isfinite has no float8 kernel: check the fp8 operands upcast (a debugging aid, off by default)
+    inputs = [a_shard.float(), a_scale, *(b.float() for b in bs), *b_scales, *biases]
+    guard.preflight("all_gather_scaled_matmul", group, meta, inputs)
 
 
 @_all_gather_scaled_matmul_op.register_fake
@@ -125,7 +168,7 @@ def _(a_shard, bs, a_scale, b_scales, gather_dim, group_name, out_dtype, biases,
 
 
 def _pipelined(
-    ws: Workspace,
+    gather: Callable[..., None],
     lay: GatherLayout,
     a_scale: torch.Tensor,
     scale_2d: torch.Tensor | None,
@@ -135,9 +178,9 @@ def _pipelined(
     out_dtype: torch.dtype,
     use_fast_accum: bool,
     return_a: bool,
-    splits: int,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """One gather_and_consume moves a's rows (as bytes) and, when rowwise, the scale rows."""
+    """One gather (gather_and_consume over the workspace) moves a's rows (as bytes) and, when
+    rowwise, the scale rows; gather(shards, gathered, consume, alternate) runs it."""
     m, world = lay.m, lay.world_size
     rows = lay.new_rows(lay.shard_2d.shape[1])
     shards, gathered = [lay.shard_2d.view(torch.uint8)], [rows.view(torch.uint8)]
@@ -164,7 +207,7 @@ def _pipelined(
             acc.add(src, lo, blocks[0].view(rows.dtype), block_scale(blocks))
 
         # one stream: the accumulators are shared by every step
-        gather_and_consume(ws, shards, gathered, consume_block, splits=splits, alternate=False)
+        gather(shards, gathered, consume_block, False)
         outs = [lay.restore(o) for o in acc.finish(biases, out_dtype)]
     else:
         out_rows = [lay.new_rows(b.shape[1], dtype=out_dtype) for b in bs]
@@ -176,6 +219,6 @@ def _pipelined(
                 scaled_mm(a_block, b, s_block, b_scale, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
                           out=out[start : start + a_block.shape[0]])
 
-        gather_and_consume(ws, shards, gathered, consume, splits=splits)
+        gather(shards, gathered, consume, True)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows) if return_a else None), outs

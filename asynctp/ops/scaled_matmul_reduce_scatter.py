@@ -3,18 +3,21 @@ rank's partial chunk sent while the next one is computed (row-parallel linear, f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from asynctp.ops import guard
 from asynctp.ops.layout import ScatterLayout, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
+from asynctp.ops.ring import ring_produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk
 from asynctp.ops.scaled_gemm import scaled_matmul_reduce_scatter_serial, scaled_mm
 from asynctp.ops.scales import aligned, check_scaled_matmul_reduce_scatter, column_major, expand_cols, expand_rows
 from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import splits_for
-from asynctp.symm import Workspace, resolve_group
+from asynctp.ops.tuning import plan_for
+from asynctp.symm import resolve_group
 
 __all__ = ["scaled_matmul_reduce_scatter"]
 
@@ -85,6 +88,11 @@ def _scaled_matmul_reduce_scatter_op(
 def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op, use_fast_accum, strategy):
     """The implementation, on validated arguments (dim normalized)."""
     world = group.size()
+    if guard.enabled():
+        meta = dict(a=a, b=b, a_scale=a_scale, b_scale=b_scale, bias=bias, scatter_dim=dim, out_dtype=str(out_dtype),
+                    reduce_op=reduce_op, use_fast_accum=use_fast_accum, strategy=strategy)
+        # isfinite has no float8 kernel: check the fp8 operands upcast (a debugging aid, off by default)
+        guard.preflight("scaled_matmul_reduce_scatter", group, meta, [a.float(), b.float(), a_scale, b_scale, bias])
     lay = scatter_layout(a, dim, world)
     # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
     a_scale_2d = scatter_layout(a_scale, dim, world).a_2d if rowwise else a_scale
@@ -92,15 +100,24 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     mode = "rowwise" if rowwise else "tensorwise"
     shape_key = (f"{str(a.dtype).removeprefix('torch.')}-{mode}", lay.a_2d.shape[0], b.shape[1], b.shape[0])
     chosen, ws = choose("scaled_matmul_reduce_scatter", strategy, group, a.device, shape_key)
-    # the fp8 ops have two implementations: anything but a workspace pipeline runs serially
+    args = (lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum)
+    if chosen == "ring":
+        def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
+            return ring_produce_and_reduce_scatter(group, produce, chunk_shape, out_dtype, a.device, reduce_op)
+
+        return _pipelined(reduce_scatter, group.rank(), *args)
     if ws is None or chosen == "serial":
         return scaled_matmul_reduce_scatter_serial(
             lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum, group
         )
     ws.op = "scaled_matmul_reduce_scatter"
-    # the bf16 op's row-block heuristic: the pipeline is the same
-    splits = splits_for("matmul_reduce_scatter", shape_key, world)
-    return _pipelined(ws, lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum, splits)
+    # the bf16 op's plan (row blocks): the pipeline is the same
+    splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
+
+    def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
+        return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits)
+
+    return _pipelined(reduce_scatter, ws.rank, *args)
 
 
 @_scaled_matmul_reduce_scatter_op.register_fake
@@ -114,7 +131,8 @@ def _(a, b, a_scale, b_scale, scatter_dim, group_name, out_dtype, bias, reduce_o
 
 
 def _pipelined(
-    ws: Workspace,
+    reduce_scatter: Callable[..., torch.Tensor],
+    rank: int,
     lay: ScatterLayout,
     a_scale: torch.Tensor,
     b: torch.Tensor,
@@ -123,9 +141,9 @@ def _pipelined(
     reduce_op: str,
     bias: torch.Tensor | None,
     use_fast_accum: bool,
-    splits: int,
 ) -> torch.Tensor:
-    """a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1])."""
+    """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
+    the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1])."""
     chunk_shape = lay.chunk_shape(b.shape[1])
     m, n = chunk_shape
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
@@ -160,7 +178,7 @@ def _pipelined(
             # _scaled_mm has no beta: the received partial is added after, in fp32, rounded once
             torch.add(acc, partial(dst, lo, hi, torch.empty_like(out)), out=out)
 
-    out = produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits)
+    out = reduce_scatter(produce, chunk_shape)
     if bias is not None:
-        out.add_(bias_chunk(lay, bias, ws.rank))
+        out.add_(bias_chunk(lay, bias, rank))
     return lay.restore(out)

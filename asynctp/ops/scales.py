@@ -39,7 +39,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # some torch releases has no fp16 output, so fp16 is not offered
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 REDUCE_OPS = ("sum", "avg")
-STRATEGIES = ("auto", "serial", "pipeline")
 # cuBLAS (and the CUTLASS rowwise kernel) read operands and scales with 16-byte vector loads
 _SCALE_ALIGN = 16
 # torch._scaled_mm on CUDA: K and N multiples of 16
@@ -219,7 +218,7 @@ def check_all_gather_scaled_matmul(
             _check_bias(f"biases[{i}]", bias, b.shape[1], a_shard, out_dtype)
     _check_bool("use_fast_accum", use_fast_accum)
     _check_bool("return_a", return_a)
-    check_strategy(strategy, STRATEGIES)
+    check_strategy(strategy)
     k_name = "K per rank (a_shard's last dim, the gather dim)" if k_mode else "K (a_shard's last dim)"
     _check_cuda_dims(a_shard, [(k_name, a_shard.shape[-1])] + [(f"bs[{i}]'s N", b.shape[1]) for i, b in enumerate(bs)])
     return dim, bs, b_scales, biases, rowwise
@@ -256,7 +255,7 @@ def check_scaled_matmul_reduce_scatter(
     if bias is not None:
         _check_bias("bias", bias, b.shape[1], a, out_dtype)
     _check_bool("use_fast_accum", use_fast_accum)
-    check_strategy(strategy, STRATEGIES)
+    check_strategy(strategy)
     n = b.shape[1] // world_size if n_mode else b.shape[1]
     n_name = "N per rank (b's N / R, the scatter dim)" if n_mode else "N (b's last dim)"
     _check_cuda_dims(a, [("K (a's last dim)", a.shape[-1]), (n_name, n)])

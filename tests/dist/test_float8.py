@@ -13,19 +13,19 @@ DEVICE = "cpu"
 NUM_GRID_CASES = 4 * 7 * 2  # scale pairings x (ndim, dim) x out dtypes
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "ring", "serial", "auto"])
 def test_all_gather_scaled_matmul(pool, strategy):
     assert pool.run(cases.all_gather_scaled_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto"])
+@pytest.mark.parametrize("strategy", ["pipeline", "ring", "serial", "auto"])
 def test_scaled_matmul_reduce_scatter(pool, strategy):
     assert pool.run(cases.scaled_matmul_reduce_scatter_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
 @pytest.mark.parametrize("splits", [None, 3], ids=["whole-chunks", "3-row-blocks"])
 def test_misaligned_scale_slices(pool, splits):
-    assert pool.run(cases.alignment_cases, DEVICE, splits)[0] == 8 * 2 * 4 + 2
+    assert pool.run(cases.alignment_cases, DEVICE, splits)[0] == 8 * 3 * 4 + 2
 
 
 def test_bad_inputs_raise_before_communication(pool):
