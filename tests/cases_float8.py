@@ -484,3 +484,29 @@ def large_pipeline_matches_serial(device: str = "cuda") -> dict[str, float]:
     low = {key: v for key, v in result.items() if v < 25}
     assert not low, f"SQNR below 25 dB: {low}"
     return result
+
+
+def mismatched_tensorwise_scale_is_caught(device: str) -> str:
+    """With ASYNCTP_CHECK_CONSISTENCY=1 a tensorwise a_scale that differs across ranks (a gathered
+    tensor with two scales) raises on every rank before any data moves; agreeing scales pass."""
+    import os
+
+    import pytest
+
+    from asynctp.ops.guard import _CONSISTENCY_ENV
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    a = fp8_ints((4, 16), rank, E4M3, device)
+    b = weight_t(16, 16, 7, E4M3, device)
+    one = torch.ones((), device=device)
+    os.environ[_CONSISTENCY_ENV] = "1"
+    try:
+        with pytest.raises(ValueError, match="a_scale_value") as info:
+            all_gather_scaled_matmul(a, [b], one * (1 + rank), [one], 0, g, strategy="pipeline")
+        _, (o,) = all_gather_scaled_matmul(a, [b], one, [one], 0, g, strategy="pipeline")
+    finally:
+        os.environ.pop(_CONSISTENCY_ENV)
+    full = torch.cat([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)])
+    assert torch.equal(o, (full.double() @ b.double()).to(torch.bfloat16))
+    return str(info.value)

@@ -96,3 +96,8 @@ def test_quantize_conventions():
         quantize_weight(w, "rowwise")
     with pytest.raises(TypeError, match="x_hp requires a dtype in"):
         quantize_activation(w_fp8, Float8Recipe.from_name("rowwise"), None)
+
+
+def test_mismatched_tensorwise_scale_caught_by_consistency_check(pool):
+    messages = pool.run(cases.mismatched_tensorwise_scale_is_caught, DEVICE)
+    assert all(m == messages[0] for m in messages)
