@@ -4,7 +4,8 @@ reduce-scatter becomes asynctp.matmul_reduce_scatter, and every collective gets 
 A gather is fused with every matmul that takes the gathered tensor as A (several: QKV, w1 + w3);
 other users of the gathered tensor (a transposed copy for the weight gradient, a value saved for
 backward) read the op's returned a_gathered. A reduce-scatter is fused with the matmul producing
-its input when nothing else reads that product. New nodes get fake values (meta["val"]) from the
+its input when nothing else reads that product. A group without a symmetric workspace is
+still fused (the ops then overlap over a send/recv ring) and its record says so. New nodes get fake values (meta["val"]) from the
 ops' fake implementations, and the graph is re-sorted so every node follows its inputs.
 """
 
@@ -29,7 +30,7 @@ RS_OP = "asynctp.matmul_reduce_scatter"
 AG_SCALED_OP = "asynctp.all_gather_scaled_matmul"
 RS_SCALED_OP = "asynctp.scaled_matmul_reduce_scatter"
 NO_SCALED_OP = "asynctp has no fused scaled op in this version"
-# without a workspace these ops still overlap, over a send/recv ring (the scaled ops run serially)
+# without a workspace the ops still overlap, over a send/recv ring: fusing never hurts
 RING_NOTE = "the op overlaps over the send/recv ring where that pays, else runs serially"
 
 
@@ -167,7 +168,8 @@ class _Rewriter:
                 return CollectiveRecord(fused=False, reason=reason, num_matmuls=len(kept), **record)
             if scale_gather is not None:
                 self.absorbed[scale_gather.ag] = g.ag.name
-            return CollectiveRecord(fused=True, op=AG_SCALED_OP, num_matmuls=len(kept), **record)
+            note = _ring_note(g.group_name, pt.tensor_of(g.result))
+            return CollectiveRecord(fused=True, op=AG_SCALED_OP, num_matmuls=len(kept), reason=note, **record)
         problem = self._fuse_gather(g, kept)
         if problem:
             return CollectiveRecord(fused=False, reason=problem, num_matmuls=len(kept), **record)
@@ -185,8 +187,6 @@ class _Rewriter:
             return "the gathered tensor feeds both scaled (fp8) and plain matmuls"
         if not matmuls[0].scaled and result.dtype not in _FLOATS:
             return f"the gathered dtype {result.dtype} is not a float asynctp multiplies"
-        if matmuls[0].scaled:
-            return workspace_problem(g.group_name, result.device)
         return None
 
     def _fuse_gather(self, g: pt.Gather, matmuls: list[pt.Matmul]) -> str | None:
@@ -258,7 +258,8 @@ class _Rewriter:
             reason = fuse_scaled_reduce_scatter(self, r, m, op)
             if reason:
                 return CollectiveRecord(fused=False, reason=reason, num_matmuls=1, **record)
-            return CollectiveRecord(fused=True, op=RS_SCALED_OP, num_matmuls=1, **record)
+            return CollectiveRecord(fused=True, op=RS_SCALED_OP, num_matmuls=1,
+                                    reason=_ring_note(r.group_name, val), **record)
         args = (m.a, m.b, r.scatter_dim, r.group_name, r.reduce_op, None, "auto")
         problem = self.rejects(torch.ops.asynctp.matmul_reduce_scatter.default, args)
         if problem:
@@ -285,7 +286,7 @@ class _Rewriter:
             return "the graph carries no shapes (meta['val']) for the matmul input"
         if a.dtype not in _FLOATS and not m.scaled:
             return f"the matmul dtype {a.dtype} is not a float asynctp multiplies"
-        return workspace_problem(r.group_name, a.device) if m.scaled else None
+        return None
 
     def finish_reduce_scatter(self, r: pt.ReduceScatter, m: pt.Matmul, fused: fx.Node) -> None:
         # the un-waited collective may be saved for backward too: it holds the same values
