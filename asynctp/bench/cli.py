@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record the fastest eager strategy per shape in asynctp's tuning cache, then time auto")
     parser.add_argument("--hardware", default=None, help="results file tag (default e.g. 2xH200)")
     parser.add_argument("--verbose", "-v", action="store_true", help="name every step before it runs (stderr)")
+    parser.add_argument("--contention", action="store_true",
+                        help="instead of the op table: how much NCCL's and asynctp's all-gather slow a matmul "
+                        "running beside them (CUDA only)")
+    parser.add_argument("--contention-size", type=int, default=8192, help="--contention: the matmul's M = N = K")
+    parser.add_argument("--contention-mb", type=int, default=256, help="--contention: MB gathered per rank")
     parser.add_argument("--readme", action="store_true", help="measure nothing: rewrite the .md/.png of every JSON file in --out, and its README.md")
 
 
@@ -51,6 +56,9 @@ def command_of(args: argparse.Namespace) -> str:
     parts += [flag for flag, on in (("--no-graph", args.no_graph), ("--tune", args.tune)) if on]
     if args.hardware:
         parts += ["--hardware", args.hardware]
+    if args.contention:
+        parts = ["asynctp", "bench", "--contention", "--contention-size", str(args.contention_size),
+                 "--contention-mb", str(args.contention_mb)] + (["--nproc", str(args.nproc)] if args.nproc else [])
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         parts = ["torchrun", f"--nproc-per-node={os.environ['WORLD_SIZE']}", "-m", "asynctp.cli", *parts[1:]]
     return shlex.join(parts)
@@ -68,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ops=ops, shape_sets=expand_sets(shapes), dtype=args.dtype, iters=args.iters, warmup=args.warmup,
         graph=not args.no_graph, tune=args.tune, hardware=args.hardware, command=command_of(args),
         verbose=args.verbose,
+        contention=(args.contention_size, args.contention_mb) if args.contention else None,
     )
 
 
@@ -84,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from asynctp.bench.launch import launch, plan
 
+    if args.contention and not _has_gpus():
+        print("asynctp bench --contention requires CUDA GPUs, got none", file=sys.stderr)
+        return 2
     try:
         cfg = config_from_args(args)
         how = plan(args.nproc)

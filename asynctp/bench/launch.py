@@ -74,6 +74,8 @@ def _rank_main(rank: int, world_size: int, backend: str, init_method: str, local
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=5), **extra)
     try:
+        if cfg.contention is not None:
+            return _contention(cfg, rank, out_dir, status_path)
         save = functools.partial(_save_row, out_dir=out_dir) if rank == 0 and out_dir else None
         rows = run_benchmark(cfg, dist.group.WORLD, device, on_row=save)
         code = 0
@@ -84,6 +86,29 @@ def _rank_main(rank: int, world_size: int, backend: str, init_method: str, local
         return code
     finally:
         dist.destroy_process_group()
+
+
+def _contention(cfg: BenchConfig, rank: int, out_dir: str | None, status_path: str | None) -> int:
+    """--contention on every rank; rank 0 prints the result and writes contention_<hw>_<date>.json."""
+    from asynctp.bench.contention import measure_contention
+    from asynctp.bench.measure import environment
+    from asynctp.bench.report import results_stem
+
+    size, mb = cfg.contention
+    result = measure_contention(dist.group.WORLD, size=size, mb=mb)
+    if rank != 0:
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    result.update(environment(dist.group.WORLD, device, cfg.hardware), command=cfg.command)
+    print(json.dumps(result, indent=1), flush=True)
+    if out_dir:
+        path = Path(out_dir) / (results_stem("contention", result["hardware"], result["date"]) + ".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}")
+    if status_path:
+        Path(status_path).write_text(json.dumps({"code": 0}))
+    return 0
 
 
 def _save_row(row: dict, out_dir: str) -> None:

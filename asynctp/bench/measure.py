@@ -52,6 +52,8 @@ class BenchConfig:
     command: str = ""  # the command line, stored in every row
     seed: int = 0  # input values (every rank draws its own from seed and rank)
     verbose: bool = False  # rank 0 names every step on stderr before it runs
+    # instead of the op table: (matmul size, all-gather MB per rank) for asynctp.bench.contention
+    contention: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in CASES]

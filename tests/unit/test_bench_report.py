@@ -131,6 +131,7 @@ def test_regenerate_rewrites_markdown_and_readme_from_json(tmp_path):
     md.write_text("stale")
     (tmp_path / "README.md").write_text("stale")
     (tmp_path / "notes.json").write_text("{not json")  # ignored
+    (tmp_path / "contention_2xH200_2026-11-20.json").write_text('{"matmul_alone_us": 1.0}')  # no rows: ignored
     written = report.regenerate(tmp_path)
     assert md in written and (tmp_path / "README.md") in written
     assert md.read_text().startswith("# all_gather_matmul on 2xH200")

@@ -93,6 +93,10 @@ def test_cli_defaults_to_tiny_without_gpus(monkeypatch):
     assert not cfg.graph and cfg.tune and "--no-graph --tune" in cfg.command
     with pytest.raises(ValueError, match="--iters requires a positive count, got 0"):
         cli.config_from_args(_args(iters=0))
+    cfg = cli.config_from_args(_args(contention=True, contention_mb=64))
+    assert cfg.contention == (8192, 64)
+    assert cfg.command == "asynctp bench --contention --contention-size 8192 --contention-mb 64"
+    assert cli.run(_args(contention=True)) == 2  # needs GPUs
 
 
 def test_launch_plan(monkeypatch):
