@@ -22,16 +22,19 @@ from asynctp.parallel import AsyncColwiseParallel, AsyncRowwiseParallel
 __all__ = ["tp_plan", "parallelize"]
 
 
-def tp_plan(num_layers: int, asynchronous: bool, float8: Any = None) -> dict[str, ParallelStyle]:
+def tp_plan(
+    num_layers: int, asynchronous: bool, float8: Any = None, save_gathered_input: bool = False
+) -> dict[str, ParallelStyle]:
     """{module path: style} for Transformer: activations between blocks are [B, S / R, D]
     (sequence-sharded), norms run on sequence shards, linears gather / reduce-scatter the sequence.
 
     The output head leaves logits sharded over the vocabulary (loss_parallel computes the loss).
+    save_gathered_input (async only): column-parallel layers keep their gathered input for the
+    weight gradient, as vanilla TP does, instead of re-gathering it in backward.
     """
     if asynchronous:
-        extra = {"float8": float8}
-        colwise = lambda **kw: AsyncColwiseParallel(**kw, **extra)  # noqa: E731
-        rowwise = lambda **kw: AsyncRowwiseParallel(**kw, **extra)  # noqa: E731
+        colwise = lambda **kw: AsyncColwiseParallel(**kw, float8=float8, save_gathered_input=save_gathered_input)  # noqa: E731
+        rowwise = lambda **kw: AsyncRowwiseParallel(**kw, float8=float8)  # noqa: E731
     else:
         if float8 is not None:
             raise ValueError(f"the vanilla plan requires float8=None (fp8 is asynctp's), got {float8!r}")
@@ -52,7 +55,9 @@ def tp_plan(num_layers: int, asynchronous: bool, float8: Any = None) -> dict[str
     return plan
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, asynchronous: bool, float8: Any = None) -> nn.Module:
+def parallelize(
+    model: Transformer, mesh: DeviceMesh, asynchronous: bool, float8: Any = None, save_gathered_input: bool = False
+) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh` with the vanilla or the async plan."""
     model.cfg.check_tp(mesh.size())
-    return parallelize_module(model, mesh, tp_plan(model.cfg.num_layers, asynchronous, float8))
+    return parallelize_module(model, mesh, tp_plan(model.cfg.num_layers, asynchronous, float8, save_gathered_input))

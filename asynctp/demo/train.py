@@ -46,6 +46,9 @@ class TrainSettings:
     compile: bool = False
     warmup: int = 3  # steps left out of the timings (allocation, autotuning, compilation)
     profile_steps: int = 0  # extra steps run under torch.profiler (0: no profile)
+    # async column-parallel layers keep the gathered input for wgrad (vanilla TP's memory use);
+    # False re-gathers it in backward (less memory, one more overlapped gather); fp8 re-gathers
+    save_gathered_input: bool = True
 
 
 @dataclass
@@ -100,7 +103,8 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
         model = Transformer(settings.cfg)
     model.to(settings.dtype)
     float8 = settings.float8 if variant.asynchronous else None
-    parallelize(model, mesh, variant.asynchronous, float8)
+    save = settings.save_gathered_input and float8 is None
+    parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous)
     if variant.torch_async_tp:
         _enable_torch_async_tp(mesh)
     if settings.compile or variant.torch_async_tp:

@@ -17,14 +17,14 @@ import types
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
 # (module, names) the fp8 path needs; checked when a recipe is given, so a missing piece is a
 # clear ValueError at the call that asked for fp8, not an AttributeError deep in backward
 _NEEDED = (
-    ("asynctp.float8", ("Float8Recipe", "quantize_activation", "quantize_weight")),
+    ("asynctp.float8", ("Float8Recipe", "quantize_weight")),
     ("asynctp.float8.quantize", ("amax_to_scale", "to_float8")),
     ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul",)),
     ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
@@ -65,45 +65,37 @@ class Float8Matmuls:
     def all_gather_linear(self, x_shard: torch.Tensor, weights: list[torch.Tensor], biases: list, config: Any):
         """(None, outs): outs[i] = x_gathered @ weights[i].t() + biases[i], fp8 inputs."""
         api, recipe = self.api, self.recipe
-        x_fp8, x_scale = api.quantize_activation(x_shard, recipe, config.group_name)
+        x_fp8, x_scale = self._quantize(x_shard, recipe.activation_dtype, config.group_name)
         bs, b_scales = [], []
         for w in weights:
             w_fp8, w_scale = api.quantize_weight(w, recipe)
             bs.append(w_fp8.t())
             b_scales.append(w_scale.t())
-        _, outs = api.all_gather_scaled_matmul(
-            x_fp8, bs, x_scale, b_scales, config.dim, config.group_name, out_dtype=x_shard.dtype,
-            biases=biases, use_fast_accum=recipe.use_fast_accum, return_a=False, strategy=config.strategy,
+        _, outs = self._gather_mm(
+            x_fp8, bs, x_scale, b_scales, config, x_shard.dtype, biases, recipe.use_fast_accum, return_a=False
         )
         return None, outs
 
     def dgrad_reduce_scatter(self, grad: torch.Tensor, weight: torch.Tensor, config: Any) -> torch.Tensor:
         """reduce_scatter(grad @ weight) along config.dim, fp8 inputs (no agreement needed:
         partial products are dequantized before they are summed)."""
-        g_fp8, g_scale = self._quantize_grad(grad, group=None)
+        g_fp8, g_scale = self._quantize(grad, self.recipe.grad_dtype, None)
         b, b_scale = self._weight_for_dgrad(weight)
-        return self.api.scaled_matmul_reduce_scatter(
-            g_fp8, b, g_scale, b_scale, config.dim, config.group_name, out_dtype=grad.dtype, strategy=config.strategy
-        )
+        return self._mm_scatter(g_fp8, b, g_scale, b_scale, config, grad.dtype, None, False)
 
     # ------------------------------------------------------------------ row-parallel
 
     def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, bias: Any, config: Any) -> torch.Tensor:
-        api, recipe = self.api, self.recipe
-        x_fp8, x_scale = api.quantize_activation(x, recipe, None)
-        w_fp8, w_scale = api.quantize_weight(weight, recipe)
-        return api.scaled_matmul_reduce_scatter(
-            x_fp8, w_fp8.t(), x_scale, w_scale.t(), config.dim, config.group_name, out_dtype=x.dtype,
-            bias=bias, use_fast_accum=recipe.use_fast_accum, strategy=config.strategy,
-        )
+        x_fp8, x_scale = self._quantize(x, self.recipe.activation_dtype, None)
+        w_fp8, w_scale = self.api.quantize_weight(weight, self.recipe)
+        return self._mm_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), config, x.dtype, bias, self.recipe.use_fast_accum)
 
     def dgrad_all_gather(self, grad_shard: torch.Tensor, weight: torch.Tensor, config: Any):
         """(grad_gathered in grad_shard's dtype, grad_gathered @ weight), the gather in fp8."""
-        g_fp8, g_scale = self._quantize_grad(grad_shard, group=config.group_name)
+        g_fp8, g_scale = self._quantize(grad_shard, self.recipe.grad_dtype, config.group_name)
         b, b_scale = self._weight_for_dgrad(weight)
-        g_gathered_fp8, (grad_x,) = self.api.all_gather_scaled_matmul(
-            g_fp8, [b], g_scale, [b_scale], config.dim, config.group_name, out_dtype=grad_shard.dtype,
-            return_a=True, strategy=config.strategy,
+        g_gathered_fp8, (grad_x,) = self._gather_mm(
+            g_fp8, [b], g_scale, [b_scale], config, grad_shard.dtype, [None], False, return_a=True
         )
         scale = self._gather_row_scales(g_scale, grad_shard.shape[-1], config) if self.rowwise else g_scale
         grad_gathered = (g_gathered_fp8.float() * scale).to(grad_shard.dtype)
@@ -111,16 +103,39 @@ class Float8Matmuls:
 
     # ------------------------------------------------------------------ quantization
 
-    def _quantize_grad(self, grad: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.recipe.grad_dtype
+    def _quantize(self, t: torch.Tensor, dtype: torch.dtype, group_name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t_fp8, scale), current scaling; a tensorwise amax is agreed over `group_name` (the
+        tensor will be gathered), through a functional collective so torch.compile can trace it."""
         if self.rowwise:
-            amax = grad.abs().amax(dim=-1, keepdim=True).float()
+            amax = t.abs().amax(dim=-1, keepdim=True).float()
         else:
-            amax = grad.abs().amax().float()
-            if group is not None:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_group(group))
+            amax = t.abs().amax().float()
+            if group_name is not None:
+                amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_name))
         scale = self.api.amax_to_scale(amax, dtype, self.recipe)
-        return self.api.to_float8(grad, scale, dtype), scale
+        return self.api.to_float8(t, scale, dtype), scale
+
+    def _gather_mm(self, a, bs, a_scale, b_scales, config, out_dtype, biases, fast_accum, return_a):
+        if torch.compiler.is_compiling():
+            a_gathered, outs = torch.ops.asynctp.all_gather_scaled_matmul(
+                a, bs, a_scale, b_scales, config.dim, config.group_name, out_dtype, biases, fast_accum, return_a,
+                config.strategy,
+            )
+            return a_gathered, list(outs)
+        return self.api.all_gather_scaled_matmul(
+            a, bs, a_scale, b_scales, config.dim, config.group_name, out_dtype=out_dtype, biases=biases,
+            use_fast_accum=fast_accum, return_a=return_a, strategy=config.strategy,
+        )
+
+    def _mm_scatter(self, a, b, a_scale, b_scale, config, out_dtype, bias, fast_accum) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.asynctp.scaled_matmul_reduce_scatter(
+                a, b, a_scale, b_scale, config.dim, config.group_name, out_dtype, bias, "sum", fast_accum, config.strategy
+            )
+        return self.api.scaled_matmul_reduce_scatter(
+            a, b, a_scale, b_scale, config.dim, config.group_name, out_dtype=out_dtype, bias=bias,
+            use_fast_accum=fast_accum, strategy=config.strategy,
+        )
 
     def _weight_for_dgrad(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """b = weight [N, K] as the (K_b = N, N_b = K) operand, column-major, scaled per K."""
@@ -131,18 +146,13 @@ class Float8Matmuls:
         return w_fp8.t().contiguous().t(), scale
 
     def _gather_row_scales(self, scale: torch.Tensor, cols: int, config: Any) -> torch.Tensor:
-        """Every rank's rowwise scales ([..., 1] each, a few bytes per row: a plain all_gather),
+        """Every rank's rowwise scales ([..., 1] each, a few bytes per row: a plain all-gather),
         laid out to broadcast against the gathered grad."""
-        pg = _group(config.group_name)
-        parts = [torch.empty_like(scale) for _ in range(pg.size())]
-        dist.all_gather(parts, scale.contiguous(), group=pg)
+        stacked = funcol.wait_tensor(funcol.all_gather_tensor(scale.contiguous(), 0, config.group_name))
+        parts = stacked.chunk(stacked.shape[0] // scale.shape[0], dim=0)
         if config.dim == scale.ndim - 1:
             # gathered along the columns: rank p's scale covers columns p * cols:(p + 1) * cols
             return torch.cat(parts, dim=-1).repeat_interleave(cols, dim=-1)
         return torch.cat(parts, dim=config.dim)
 
 
-def _group(group: Any) -> Any:
-    from asynctp.symm import resolve_group
-
-    return resolve_group(group)
