@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+import asynctp
 from asynctp.float8 import Float8Recipe, quantize_activation, quantize_weight
 from asynctp.ops.all_gather_scaled_matmul import all_gather_scaled_matmul
 from asynctp.ops.scaled_matmul_reduce_scatter import scaled_matmul_reduce_scatter
@@ -50,6 +51,11 @@ def weight_t(n: int, k: int, seed: int, dtype: torch.dtype, device: str) -> torc
 def deq(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s = scale.double()
     return x_fp8.double() * (s.reshape(()) if s.numel() == 1 and s.ndim != x_fp8.ndim else s)
+
+
+def cat8(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat for float8 tensors, through their bytes (no reliance on float8 cat kernels)."""
+    return torch.cat([t.view(torch.uint8) for t in tensors], dim=dim).view(tensors[0].dtype)
 
 
 def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -121,7 +127,7 @@ def check_ag(device: str, *, ndim: int, gather_dim: int, a_mode: str, b_mode: st
              f"bs={num_bs} bias={with_bias} {a_dtype}x{b_dtype} {strategy}")
     a_full = torch.cat([deq(s, sc) for s, sc in zip(shards, a_scales)], dim=gather_dim)
     if return_a:
-        assert a_g is not None and same_bytes(a_g, torch.cat(shards, dim=gather_dim)), label
+        assert a_g is not None and same_bytes(a_g, cat8(shards, dim=gather_dim)), label
     else:
         assert a_g is None, label
     assert len(outs) == num_bs, label
@@ -262,7 +268,7 @@ def alignment_cases(device: str, splits: int | None = None) -> int:
         backing = torch.ones(8, device=device)
         for a_scale in (backing[1:4].view(3, 1), torch.ones((), device=device).expand(3, 1)):
             _, (o,) = all_gather_scaled_matmul(a, [b], a_scale, [b_scale], 0, dist.group.WORLD, strategy="pipeline")
-            full = torch.cat([fp8_ints((3, K_BLOCK), r, E4M3, device) for r in range(ws)])
+            full = cat8([fp8_ints((3, K_BLOCK), r, E4M3, device) for r in range(ws)])
             assert torch.equal(o, (full.double() @ b.double()).to(torch.bfloat16))
             count += 1
     return count
@@ -329,7 +335,7 @@ def bad_inputs(device: str) -> list[str]:
         messages.append(str(info.value))
     # the group still works, for both ops
     a_g, (o,) = ag(a, [b], s, [s], 0, g)
-    assert same_bytes(a_g, torch.cat([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)]))
+    assert same_bytes(a_g, cat8([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)]))
     assert rs(a6, b, s, s, 0, g).shape == (6 // ws, 16)
     return messages
 
@@ -416,7 +422,7 @@ def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, fl
             kw = dict(use_fast_accum=recipe.use_fast_accum)
             args = (x_fp8, [w_fp8.t()], x_scale, [w_scale.t()], gather_dim, g)
             _, (o_s,) = all_gather_scaled_matmul(*args, strategy="serial", **kw)
-            for strategy in ("ring", "pipeline"):
+            for strategy in ("ring", "pipeline", "auto"):
                 _, (o_p,) = all_gather_scaled_matmul(*args, strategy=strategy, **kw)
                 torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=1e-2)
             ref = torch.cat(xs, dim=gather_dim).float() @ w.float().t()
@@ -432,7 +438,7 @@ def recipes(device: str, m: int = 64, k: int = 128, n: int = 96) -> dict[str, fl
         for scatter_dim in (0, 1):
             args = (x_fp8, w_fp8.t(), x_scale, w_scale.t(), scatter_dim, g)
             o_s = scaled_matmul_reduce_scatter(*args, strategy="serial")
-            for strategy in ("ring", "pipeline"):
+            for strategy in ("ring", "pipeline", "auto"):
                 o_p = scaled_matmul_reduce_scatter(*args, strategy=strategy)
                 torch.testing.assert_close(o_p, o_s, rtol=1e-2, atol=2e-2)
             result[f"rs-{name}-dim{scatter_dim}"] = sqnr(full_ref.chunk(ws, dim=scatter_dim)[rank], o_p)
@@ -507,6 +513,47 @@ def mismatched_tensorwise_scale_is_caught(device: str) -> str:
         _, (o,) = all_gather_scaled_matmul(a, [b], one, [one], 0, g, strategy="pipeline")
     finally:
         os.environ.pop(_CONSISTENCY_ENV)
-    full = torch.cat([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)])
+    full = cat8([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)])
     assert torch.equal(o, (full.double() @ b.double()).to(torch.bfloat16))
     return str(info.value)
+
+
+def cuda_graph_capture() -> None:
+    """Both fp8 ops (rowwise scales, pipeline) captured in one CUDA graph after reserve();
+    replays with new inputs equal the eager serial results."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    asynctp.reserve(g, 16 << 20, "cuda")
+    a_static = fp8_ints((64, 128), rank, E4M3, "cuda")
+    s_static = pow2((64, 1), rank, (1.0, 2.0), "cuda")
+    b = weight_t(96, 128, 5, E4M3, "cuda")
+    b_scale = pow2((1, 96), 6, (0.5, 1.0), "cuda")
+    b2 = weight_t(64, 96 * ws, 7, E4M3, "cuda")  # [K = 96 R, 64]: reduce-scatter over K shards
+    b2_shard = b2[rank * 96 : (rank + 1) * 96]
+
+    def step():
+        _, (o,) = all_gather_scaled_matmul(a_static, [b], s_static, [b_scale], 0, g, return_a=False,
+                                           strategy="pipeline")
+        o_fp8 = o.to(E4M3)  # re-quantized in the graph; the check below uses the same o_fp8
+        one = torch.ones((), device="cuda")
+        r = scaled_matmul_reduce_scatter(o_fp8, b2_shard, one, one, 0, g, strategy="pipeline")
+        return o, o_fp8, r
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, o_fp8, r = step()
+    one = torch.ones((), device="cuda")
+    for trial in range(3):
+        a_static.copy_(fp8_ints((64, 128), 100 * trial + rank, E4M3, "cuda"))
+        s_static.copy_(pow2((64, 1), 100 * trial + rank, (1.0, 2.0), "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _, (o_ref,) = all_gather_scaled_matmul(a_static, [b], s_static, [b_scale], 0, g, strategy="serial")
+        assert torch.equal(o, o_ref)
+        r_ref = scaled_matmul_reduce_scatter(o_fp8, b2_shard, one, one, 0, g, strategy="serial")
+        torch.testing.assert_close(r, r_ref, rtol=1e-2, atol=0)

@@ -56,7 +56,8 @@ def scaled_matmul_reduce_scatter(
     shared buffer.
 
     strategy: "auto" (measured per shape), "serial" (matmul then collective), "pipeline"
-    (each rank's partial pushed over the symmetric workspace while the next is computed).
+    (each rank's partial pushed over the symmetric workspace while the next is computed), "ring"
+    (send/recv of running sums, for groups without peer memory).
     """
     pg = resolve_group(group)
     dim, rowwise = check_scaled_matmul_reduce_scatter(

@@ -48,3 +48,7 @@ def test_recipes_sqnr_and_scale_agreement(pool):
 def test_large_random_values_match_serial(pool):
     sqnrs = pool.run(cases.large_pipeline_matches_serial, DEVICE)
     assert min(min(r.values()) for r in sqnrs) >= 25
+
+
+def test_cuda_graph_capture_after_reserve(pool):
+    pool.run(cases.cuda_graph_capture)
