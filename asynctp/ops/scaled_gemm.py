@@ -68,7 +68,8 @@ def scaled_mm(
     elif rowwise and b_fp8.dtype == torch.float8_e5m2:
         # the CUTLASS rowwise kernel takes e5m2 only as its first operand: out.t() = b.t() @ a.t()
         out_t = torch._scaled_mm(
-            b_fp8.t(), a_fp8.t(), b_scale.reshape(n, 1), a_scale.reshape(1, m), out_dtype=out_dtype, use_fast_accum=use_fast_accum
+            b_fp8.t(), a_fp8.t(), b_scale.reshape(n, 1), a_scale.reshape(1, m),
+            out_dtype=out_dtype, use_fast_accum=use_fast_accum,
         )
         out = out_t.t().contiguous() if out is None else out.copy_(out_t.t())
     else:
@@ -96,8 +97,9 @@ class KBlockAccumulator:
         """Rows lo:lo+len(block) of rank src's K block."""
         k, hi = self.k, lo + block_fp8.shape[0]
         for acc, b, b_scale in zip(self.accs, self.bs, self.b_scales):
-            acc[lo:hi].add_(scaled_mm(block_fp8, b[src * k : (src + 1) * k], block_scale, b_scale, torch.float32,
-                               use_fast_accum=self.use_fast_accum))
+            product = scaled_mm(block_fp8, b[src * k : (src + 1) * k], block_scale, b_scale, torch.float32,
+                                use_fast_accum=self.use_fast_accum)
+            acc[lo:hi].add_(product)
 
     def finish(self, biases: list[torch.Tensor | None], out_dtype: torch.dtype) -> list[torch.Tensor]:
         outs = []

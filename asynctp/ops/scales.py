@@ -123,7 +123,9 @@ def _check_b_scale(name: str, s: Any, b: torch.Tensor, a: torch.Tensor) -> torch
     _check_scale_tensor(name, s, a)
     n = b.shape[1]
     if tuple(s.shape) != (1, n) and s.numel() != 1:
-        raise ValueError(f"{name} requires numel 1 (tensorwise) or shape (1, {n}) (per column), got shape {tuple(s.shape)}")
+        raise ValueError(
+            f"{name} requires numel 1 (tensorwise) or shape (1, {n}) (per column), got shape {tuple(s.shape)}"
+        )
     return s
 
 
@@ -135,7 +137,9 @@ def _check_b(name: str, b: Any, a: torch.Tensor, k: int) -> torch.Tensor:
     if b.shape[0] != k:
         raise ValueError(f"{name} requires shape[0] == K = {k} (a's last dim), got {tuple(b.shape)}")
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise TypeError(f"{name} requires float8_e4m3fn when a is float8_e5m2 (cuBLAS has no e5m2 x e5m2 GEMM), got {b.dtype}")
+        raise TypeError(
+            f"{name} requires float8_e4m3fn when a is float8_e5m2 (cuBLAS has no e5m2 x e5m2 GEMM), got {b.dtype}"
+        )
     return b
 
 
