@@ -198,7 +198,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def styles_match_single_process(device: str, asynchronous: bool) -> int:
+def styles_match_single_process(device: str, asynchronous: bool, share_gathers: bool = True) -> int:
     """One forward/backward of the sharded model equals the unsharded model: loss and every grad."""
     import copy
 
@@ -210,7 +210,7 @@ def styles_match_single_process(device: str, asynchronous: bool) -> int:
     torch.manual_seed(0)
     with torch.device(device):
         ref = Transformer(cfg)
-    model = parallelize(copy.deepcopy(ref), _mesh(device), asynchronous)
+    model = parallelize(copy.deepcopy(ref), _mesh(device), asynchronous, share_gathers=share_gathers)
     tokens = MarkovTokens(cfg.vocab_size, seed=3).batch(cfg.batch_size, cfg.seq_len).to(device)
     loss = _forward_backward(model, tokens)
     ref_loss = F.cross_entropy(ref(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -326,3 +326,50 @@ def float8_linears(device: str, recipe: str, dtype_name: str) -> dict[str, float
             assert got.dtype == ref.dtype and got.shape == ref.shape, name
             worst[name] = min(worst.get(name, 1e9), _sqnr(ref, got))
     return worst
+
+
+def gather_calls_per_forward(device: str, share_gathers: bool) -> int:
+    """How many all_gather_linear calls one forward of the async plan makes."""
+    import asynctp.parallel.colwise as colwise
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.model import Transformer
+    from asynctp.demo.plan import parallelize
+
+    cfg = _test_config()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = parallelize(Transformer(cfg), _mesh(device), True, share_gathers=share_gathers)
+    calls = []
+    original = colwise.run_all_gather_linear
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    colwise.run_all_gather_linear = counting
+    try:
+        tokens = MarkovTokens(cfg.vocab_size).batch(cfg.batch_size, cfg.seq_len).to(device)
+        _forward_backward(model, tokens)
+    finally:
+        colwise.run_all_gather_linear = original
+    return len(calls)
+
+
+def shared_gather_misuse(device: str) -> str:
+    import pytest
+    from torch import nn
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from asynctp.parallel import AsyncColwiseParallel, SharedGather
+
+    mesh, shared = _mesh(device), SharedGather()
+    ws = dist.get_world_size()
+    parallelize_module(nn.Linear(8, 2 * ws), mesh, AsyncColwiseParallel(input_layouts=Shard(1), shared_gather=shared))
+    with pytest.raises(ValueError, match="one in_features") as info:
+        parallelize_module(nn.Linear(4, 2 * ws), mesh, AsyncColwiseParallel(input_layouts=Shard(1), shared_gather=shared))
+    with pytest.raises(ValueError, match="the same input_layouts"):
+        parallelize_module(nn.Linear(8, 2 * ws), mesh, AsyncColwiseParallel(input_layouts=Shard(0), shared_gather=shared))
+    with pytest.raises(TypeError, match="SharedGather"):
+        AsyncColwiseParallel(input_layouts=Shard(1), shared_gather=object())
+    return str(info.value)

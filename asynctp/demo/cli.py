@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
     parser.add_argument("--regather-input", action="store_true",
                         help="asynctp re-gathers column-parallel inputs in backward instead of keeping them (less memory)")
+    parser.add_argument("--no-shared-gather", action="store_true",
+                        help="asynctp gathers once per linear (as vanilla TP does) instead of once for wq/wk/wv and w1/w3")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: per model size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="use 2 CPU processes (gloo) even when GPUs are present")
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
         profile_steps=5 if args.profile else 0,
         save_gathered_input=not args.regather_input,
+        share_gathers=not args.no_shared_gather,
     )
     if settings.steps < 1:
         print(f"asynctp demo: --steps requires a positive number, got {settings.steps}", file=sys.stderr)
@@ -220,7 +223,8 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
         "settings": {"steps": settings.steps, "dtype": str(settings.dtype).removeprefix("torch."), "lr": settings.lr,
                      "seed": settings.seed, "float8": settings.float8, "compile": settings.compile,
                      "warmup_steps_excluded": settings.warmup, "profile_steps": settings.profile_steps,
-                     "save_gathered_input": settings.save_gathered_input and settings.float8 is None},
+                     "save_gathered_input": settings.save_gathered_input and settings.float8 is None,
+                     "share_gathers": settings.share_gathers},
         "versions": versions(),
         "runs": runs,
         "comparison": compared,

@@ -49,6 +49,8 @@ class TrainSettings:
     # async column-parallel layers keep the gathered input for wgrad (vanilla TP's memory use);
     # False re-gathers it in backward (less memory, one more overlapped gather); fp8 re-gathers
     save_gathered_input: bool = True
+    # async: wq / wk / wv and w1 / w3 share one gather per block (SharedGather)
+    share_gathers: bool = True
 
 
 @dataclass
@@ -104,7 +106,8 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     model.to(settings.dtype)
     float8 = settings.float8 if variant.asynchronous else None
     save = settings.save_gathered_input and float8 is None
-    parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous)
+    parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous,
+                share_gathers=settings.share_gathers)
     if variant.torch_async_tp:
         _enable_torch_async_tp(mesh)
     if settings.compile or variant.torch_async_tp:

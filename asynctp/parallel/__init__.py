@@ -6,6 +6,8 @@ A plan written for vanilla sequence-parallel TP becomes async by swapping the st
     RowwiseParallel(output_layouts=Shard(1))  ->  AsyncRowwiseParallel(output_layouts=Shard(1))
     SequenceParallel()                         ->  SequenceParallel()   (norms: torch's, re-exported)
 
+Sibling linears fed the same input (wq / wk / wv, w1 / w3) can share one gather: give their
+styles one SharedGather (an optimization beyond the swap; without it each linear gathers).
 Embeddings keep torch's RowwiseParallel / ColwiseParallel: a lookup has no matmul to overlap.
 """
 
@@ -13,5 +15,6 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from asynctp.parallel.colwise import AsyncColwiseParallel
 from asynctp.parallel.rowwise import AsyncRowwiseParallel
+from asynctp.parallel.shared_gather import SharedGather
 
-__all__ = ["AsyncColwiseParallel", "AsyncRowwiseParallel", "SequenceParallel"]
+__all__ = ["AsyncColwiseParallel", "AsyncRowwiseParallel", "SharedGather", "SequenceParallel"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module
@@ -13,6 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from asynctp.nn.column_parallel import run_all_gather_linear
 from asynctp.nn.precision import resolve_float8
+from asynctp.parallel.shared_gather import SharedGather
 from asynctp.parallel.placement import check_linear, check_shard, tensor_dim, to_local_input, tp_group
 
 __all__ = ["AsyncColwiseParallel"]
@@ -34,6 +36,8 @@ class AsyncColwiseParallel(ColwiseParallel):
             re-gathering it in backward (R times the activation memory, one gather fewer).
         float8: None or an asynctp.float8 recipe (or its name) for the forward and dgrad matmuls.
         strategy: passed to the fused ops ("auto", "serial", "pipeline").
+        shared_gather: a SharedGather given to the styles of sibling linears fed the same input
+            (wq / wk / wv, w1 / w3): one gather (and one backward reduce-scatter) for all of them.
     """
 
     def __init__(
@@ -45,11 +49,15 @@ class AsyncColwiseParallel(ColwiseParallel):
         save_gathered_input: bool = False,
         float8: Any = None,
         strategy: str = "auto",
+        shared_gather: SharedGather | None = None,
     ) -> None:
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self.save_gathered_input = save_gathered_input
         self.float8 = float8
         self.strategy = strategy
+        if shared_gather is not None and not isinstance(shared_gather, SharedGather):
+            raise TypeError(f"shared_gather requires an asynctp.parallel.SharedGather, got {type(shared_gather).__name__}")
+        self.shared_gather = shared_gather
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
@@ -59,6 +67,9 @@ class AsyncColwiseParallel(ColwiseParallel):
         check_shard(name, "output_layouts", self.output_layouts[0], "the local output features", last_only=True)
         resolve_float8(self.float8)  # a missing fp8 module fails here, not at the first forward
         distribute_module(module, device_mesh, self._partition_linear_fn)
+        if self.shared_gather is not None:
+            options = (self.input_layouts, device_mesh, self.float8, self.save_gathered_input, self.strategy)
+            self.shared_gather.register(module, options)
         module.forward = types.MethodType(_make_forward(self, device_mesh), module)
         return module
 
@@ -69,13 +80,22 @@ def _make_forward(style: AsyncColwiseParallel, mesh: DeviceMesh):
     placement = style.input_layouts[0]
     use_local_output = style.use_local_output
     options = dict(float8=resolve_float8(style.float8), save_gathered_input=style.save_gathered_input, strategy=style.strategy)
+    shared = style.shared_gather
+
+    def linears(modules: list[nn.Module], x: Any) -> list[torch.Tensor]:
+        x_shard = to_local_input(x, mesh, placement)
+        weights = [m.weight.to_local() for m in modules]
+        biases = [m.bias.to_local() if m.bias is not None else None for m in modules]
+        dim = tensor_dim(placement.dim, x_shard.ndim)
+        return run_all_gather_linear(group_name, world_size, x_shard, weights, biases, gather_dim=dim, **options)
 
     def forward(module: nn.Linear, x: Any) -> Any:
-        x_shard = to_local_input(x, mesh, placement)
-        weight = module.weight.to_local()
-        bias = module.bias.to_local() if module.bias is not None else None
-        dim = tensor_dim(placement.dim, x_shard.ndim)
-        out = run_all_gather_linear(group_name, world_size, x_shard, weight, bias, gather_dim=dim, **options)
+        if shared is None or torch.compiler.is_compiling():
+            out = linears([module], x)[0]
+        else:
+            out = shared.take(module, x)
+            if out is None:
+                out = shared.start(module, x, linears(shared.modules, x))
         if use_local_output:
             return out
         return DTensor.from_local(out, mesh, (Shard(out.ndim - 1),), run_check=False)

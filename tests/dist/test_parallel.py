@@ -8,9 +8,10 @@ from tests import cases_nn
 DEVICE = "cpu"
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["vanilla", "async"])
-def test_sharded_model_matches_single_process(pool, asynchronous):
-    counts = pool.run(cases_nn.styles_match_single_process, DEVICE, asynchronous)
+@pytest.mark.parametrize(("asynchronous", "share"), [(False, False), (True, False), (True, True)],
+                         ids=["vanilla", "async", "async-shared-gather"])
+def test_sharded_model_matches_single_process(pool, asynchronous, share):
+    counts = pool.run(cases_nn.styles_match_single_process, DEVICE, asynchronous, share)
     assert counts[0] == 2 * 9 + 3  # per block: 2 norms + 7 linears; embedding, norm, output
 
 
@@ -24,3 +25,13 @@ def test_float32_loss_curves_identical(pool):
 def test_bad_plans_raise_at_parallelize_time(pool):
     messages = pool.run(cases_nn.bad_plans, DEVICE)
     assert all(m == messages[0] for m in messages)
+
+
+@pytest.mark.parametrize(("share", "expected"), [(True, 2 * 2 + 1), (False, 2 * 5 + 1)], ids=["shared", "per-linear"])
+def test_shared_gather_calls(pool, share, expected):
+    # per block: wq/wk/wv and w1/w3 (2 shared gathers, else 5), plus the output head
+    assert pool.run(cases_nn.gather_calls_per_forward, DEVICE, share)[0] == expected
+
+
+def test_shared_gather_misuse(pool):
+    pool.run(cases_nn.shared_gather_misuse, DEVICE)
