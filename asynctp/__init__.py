@@ -10,6 +10,8 @@ from asynctp.ops import all_gather_scaled_matmul, scaled_matmul_reduce_scatter
 from asynctp.ops import all_gather, reduce_scatter
 from asynctp import float8
 from asynctp.symm import get_workspace, reserve
+from asynctp.nn import all_gather_linear, linear_reduce_scatter
+from asynctp import parallel
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,10 @@ __all__ = [
     # low-contention collectives (copy engines, no SMs but one reduction pass)
     "all_gather",
     "reduce_scatter",
+    # training: autograd linears (forward and backward overlapped) and DTensor parallel styles
+    "all_gather_linear",
+    "linear_reduce_scatter",
+    "parallel",
     # workspaces
     "get_workspace",
     "reserve",

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import asynctp
-from asynctp.nn import all_gather_linear, linear_reduce_scatter
+from asynctp import all_gather_linear, linear_reduce_scatter
 from tests.cases import DTYPES, ints, world
 
 # ---------------------------------------------------------------- autograd functions, exact
