@@ -273,6 +273,7 @@ def bad_plans(device: str) -> list[str]:
         ("requires an nn.Linear module, got Embedding", lambda: parallelize_module(nn.Embedding(12, 4), mesh, AsyncRowwiseParallel(output_layouts=Shard(1)))),
         ("requires a 1-D DeviceMesh", lambda: parallelize_module(lin(), mesh_2d, AsyncColwiseParallel(input_layouts=Shard(1)))),
         ("no-such-recipe", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel(input_layouts=Shard(1), float8="no-such-recipe"))),
+        ("save_gathered_input=False with float8", lambda: parallelize_module(lin(), mesh, AsyncColwiseParallel(input_layouts=Shard(1), float8="rowwise", save_gathered_input=True))),
         ("vanilla plan requires float8=None", lambda: tp_plan(2, asynchronous=False, float8="rowwise")),
     ]
     messages = []

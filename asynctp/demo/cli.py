@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     on_gpu = num_gpus >= 2
     if on_gpu:
         world, backend, device_type = num_gpus, "nccl", "cuda"
+        # NVLink multicast stays off (it can take a shared host's GPUs down); the ranks inherit it
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     else:
         world, backend, device_type = _CPU_WORLD, "gloo", "cpu"
         if num_gpus == 1:

@@ -66,6 +66,8 @@ class AsyncColwiseParallel(ColwiseParallel):
         check_shard(name, "input_layouts", self.input_layouts[0], gather)
         check_shard(name, "output_layouts", self.output_layouts[0], "the local output features", last_only=True)
         resolve_float8(self.float8)  # a missing fp8 module fails here, not at the first forward
+        if self.save_gathered_input and self.float8 is not None:
+            raise ValueError(f"{name} requires save_gathered_input=False with float8 (the fp8 forward gathers fp8 data), got True")
         distribute_module(module, device_mesh, self._partition_linear_fn)
         if self.shared_gather is not None:
             options = (self.input_layouts, device_mesh, self.float8, self.save_gathered_input, self.strategy)
