@@ -126,3 +126,12 @@ def test_custom_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         TINY.dim = 3  # type: ignore[misc]
     assert isinstance(TINY, ModelConfig)
+
+
+def test_profile_kernel_classes():
+    from asynctp.demo.profile import _is_comm
+
+    assert _is_comm("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    assert _is_comm("Memcpy PtoP (Device -> Device)")
+    assert not _is_comm("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64")
+    assert not _is_comm("Memcpy DtoD (Device -> Device)")
