@@ -235,14 +235,16 @@ def _forward_backward(model, tokens) -> float:
     return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
 
 
-def loss_curves(device: str, steps: int, dtype_name: str = "float32", float8: str | None = None) -> tuple[list[float], list[float]]:
+def loss_curves(
+    device: str, steps: int, dtype_name: str = "float32", float8: str | None = None, lr: float = 1e-2
+) -> tuple[list[float], list[float]]:
     """Training with the vanilla plan, then the async plan, same seed and data (the demo's loop)."""
     from asynctp.demo.train import VARIANTS, TrainSettings, train
 
     cfg = _test_config()
     if float8 is not None:  # fp8 GEMMs want multiples of 16 per rank
         cfg = dataclasses.replace(cfg, dim=192, ffn_dim=384, vocab_size=96)
-    settings = TrainSettings(cfg=cfg, steps=steps, dtype=DTYPES[dtype_name], lr=1e-2, float8=float8)
+    settings = TrainSettings(cfg=cfg, steps=steps, dtype=DTYPES[dtype_name], lr=lr, float8=float8)
     mesh = _mesh(device)
     vanilla = train(VARIANTS["vanilla"], settings, mesh, torch.device(device))
     fused = train(VARIANTS["asynctp"], settings, mesh, torch.device(device))
