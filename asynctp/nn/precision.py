@@ -148,7 +148,8 @@ class Float8Matmuls:
     def _gather_row_scales(self, scale: torch.Tensor, cols: int, config: Any) -> torch.Tensor:
         """Every rank's rowwise scales ([..., 1] each, a few bytes per row: a plain all-gather),
         laid out to broadcast against the gathered grad."""
-        stacked = funcol.wait_tensor(funcol.all_gather_tensor(scale.contiguous(), 0, config.group_name))
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in newer torch
+        stacked = funcol.wait_tensor(gather(scale.contiguous(), 0, config.group_name))
         parts = stacked.chunk(stacked.shape[0] // scale.shape[0], dim=0)
         if config.dim == scale.ndim - 1:
             # gathered along the columns: rank p's scale covers columns p * cols:(p + 1) * cols

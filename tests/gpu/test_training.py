@@ -49,9 +49,9 @@ def test_bfloat16_loss_curves_agree(pool):
 @needs_style_world
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_float8_training_follows_bfloat16(pool, recipe):
-    vanilla, fused = pool.run(cases_nn.loss_curves, DEVICE, 30, "bfloat16", recipe, 3e-3)[0]
-    assert fused[-1] < fused[0] - 0.3
-    assert max(abs(a - b) / abs(a) for a, b in zip(vanilla, fused)) <= 1e-1, (vanilla, fused)
+    vanilla, fused = pool.run(cases_nn.loss_curves, DEVICE, 30, "bfloat16", recipe, 1e-3)[0]
+    assert fused[-1] < fused[0] - 0.2
+    assert max(abs(a - b) / abs(a) for a, b in zip(vanilla, fused)) <= 5e-2, (vanilla, fused)
 
 
 def test_bad_plans(pool):
