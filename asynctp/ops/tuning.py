@@ -1,7 +1,8 @@
 """The tuning cache behind strategy="auto": measured best strategy per (op, device, world size,
 dtype, shape), kept as JSON under the user's cache dir ($ASYNCTP_TUNING_CACHE overrides the path).
 
-`asynctp bench --tune` fills it. A shape not in the cache gets a size rule: below a few tens of
+`asynctp bench --tune` fills it; tables measured on our hardware ship in asynctp/ops/tuned/ and
+the user's cache overrides them. A shape in neither gets a size rule: below a few tens of
 microseconds of matmul per rank, the fixed costs of a pipeline (barriers, extra launches) exceed
 what overlap can hide, so serial wins.
 """
@@ -36,13 +37,26 @@ def cache_path() -> Path:
     return Path(base) / "asynctp" / "tuning.json"
 
 
+def _shipped() -> dict[str, str]:
+    """Tables measured by `asynctp bench --tune` on the hardware we had (asynctp/ops/tuned/)."""
+    table: dict[str, str] = {}
+    for path in sorted((Path(__file__).parent / "tuned").glob("*.json")):
+        try:
+            table.update(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return table
+
+
 def load() -> dict[str, str]:
+    """The shipped tables overlaid by the user's cache (the user's own measurements win)."""
     global _table
     if _table is None:
+        _table = _shipped()
         try:
-            _table = json.loads(cache_path().read_text())
+            _table.update(json.loads(cache_path().read_text()))
         except (OSError, ValueError):
-            _table = {}
+            pass
     return _table
 
 
@@ -57,13 +71,18 @@ def _key(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
 
 def record(op: str, world_size: int, device: torch.device, shape_key: tuple, strategy: str) -> None:
     """Remember the measured best strategy for a shape (written through to the cache file)."""
-    table = load()
-    table[_key(op, world_size, device, shape_key)] = strategy
+    key = _key(op, world_size, device, shape_key)
+    load()[key] = strategy
     _picked.clear()
     path = cache_path()
+    try:
+        own = json.loads(path.read_text())
+    except (OSError, ValueError):
+        own = {}
+    own[key] = strategy
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(own, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 
