@@ -135,7 +135,10 @@ def _check(x_shard: Any, weights: list, biases: list, gather_dim: Any, world_siz
 
 class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group_name, dim, num_weights, save_gathered, strategy, float8, x_shard, *params):
+    def forward(
+        ctx: Any, group_name: str, dim: int, num_weights: int, save_gathered: bool, strategy: str,
+        float8: Float8Matmuls | None, x_shard: torch.Tensor, *params: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
         config = _Config(group_name, dim, num_weights, save_gathered, strategy, float8)
         weights = list(params[: config.num_weights])
         biases = list(params[config.num_weights :])
@@ -150,7 +153,7 @@ class _AllGatherLinear(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *grad_outs: torch.Tensor):
+    def backward(ctx: Any, *grad_outs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         config: _Config = ctx.config
         x_saved, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad

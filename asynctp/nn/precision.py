@@ -62,7 +62,9 @@ class Float8Matmuls:
 
     # ------------------------------------------------------------------ column-parallel
 
-    def all_gather_linear(self, x_shard: torch.Tensor, weights: list[torch.Tensor], biases: list, config: Any):
+    def all_gather_linear(
+        self, x_shard: torch.Tensor, weights: list[torch.Tensor], biases: list, config: Any
+    ) -> tuple[None, list[torch.Tensor]]:
         """(None, outs): outs[i] = x_gathered @ weights[i].t() + biases[i], fp8 inputs."""
         api, recipe = self.api, self.recipe
         x_fp8, x_scale = self._quantize(x_shard, recipe.activation_dtype, config.group_name)
@@ -90,7 +92,7 @@ class Float8Matmuls:
         w_fp8, w_scale = self.api.quantize_weight(weight, self.recipe)
         return self._mm_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), config, x.dtype, bias, self.recipe.use_fast_accum)
 
-    def dgrad_all_gather(self, grad_shard: torch.Tensor, weight: torch.Tensor, config: Any):
+    def dgrad_all_gather(self, grad_shard: torch.Tensor, weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(grad_gathered in grad_shard's dtype, grad_gathered @ weight), the gather in fp8."""
         g_fp8, g_scale = self._quantize(grad_shard, self.recipe.grad_dtype, config.group_name)
         b, b_scale = self._weight_for_dgrad(weight)
@@ -115,7 +117,10 @@ class Float8Matmuls:
         scale = self.api.amax_to_scale(amax, dtype, self.recipe)
         return self.api.to_float8(t, scale, dtype), scale
 
-    def _gather_mm(self, a, bs, a_scale, b_scales, config, out_dtype, biases, fast_accum, return_a):
+    def _gather_mm(
+        self, a: torch.Tensor, bs: list[torch.Tensor], a_scale: torch.Tensor, b_scales: list[torch.Tensor],
+        config: Any, out_dtype: torch.dtype, biases: list, fast_accum: bool, return_a: bool,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         if torch.compiler.is_compiling():
             a_gathered, outs = torch.ops.asynctp.all_gather_scaled_matmul(
                 a, bs, a_scale, b_scales, config.dim, config.group_name, out_dtype, biases, fast_accum, return_a,
@@ -127,7 +132,10 @@ class Float8Matmuls:
             use_fast_accum=fast_accum, return_a=return_a, strategy=config.strategy,
         )
 
-    def _mm_scatter(self, a, b, a_scale, b_scale, config, out_dtype, bias, fast_accum) -> torch.Tensor:
+    def _mm_scatter(
+        self, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, config: Any,
+        out_dtype: torch.dtype, bias: torch.Tensor | None, fast_accum: bool,
+    ) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.asynctp.scaled_matmul_reduce_scatter(
                 a, b, a_scale, b_scale, config.dim, config.group_name, out_dtype, bias, "sum", fast_accum, config.strategy

@@ -105,7 +105,10 @@ def _check(x: Any, weight: Any, bias: Any, scatter_dim: Any, world_size: int) ->
 
 class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group_name, dim, strategy, float8, x, weight, bias):
+    def forward(
+        ctx: Any, group_name: str, dim: int, strategy: str, float8: Float8Matmuls | None,
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         config = _Config(group_name, dim, strategy, float8)
         if config.float8 is not None:
             out = config.float8.linear_reduce_scatter(x, weight, bias, config)
@@ -117,7 +120,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out_shard: torch.Tensor):
+    def backward(ctx: Any, grad_out_shard: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         config: _Config = ctx.config
         x, weight = ctx.saved_tensors
         if config.float8 is not None:
