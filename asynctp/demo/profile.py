@@ -35,11 +35,15 @@ def profile_steps(step: Callable[[], Any], num_steps: int) -> dict[str, float]:
             step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    comm, compute = _kernel_intervals(prof)
+    comm, compute, by_name = _kernel_intervals(prof)
     totals = exposed_time(comm, compute)
-    per_step = {key: value / num_steps / 1000.0 for key, value in totals.items()}  # us -> ms
+    per_step: dict[str, Any] = {key: value / num_steps / 1000.0 for key, value in totals.items()}  # us -> ms
     per_step["wall_ms"] = wall / num_steps * 1000.0
     per_step["num_steps"] = num_steps
+    # what was classified how: the 8 longest kernel names of each class, ms per step
+    for kind in ("comm", "compute"):
+        top = sorted(((t, n) for (k, n), t in by_name.items() if k == kind), reverse=True)[:8]
+        per_step[f"top_{kind}_kernels_ms"] = {n[:120]: round(t / num_steps / 1000.0, 3) for t, n in top}
     return per_step
 
 
@@ -48,16 +52,19 @@ def _is_comm(name: str) -> bool:
     return lowered.startswith("nccl") or "ptop" in lowered or "peer" in lowered
 
 
-def _kernel_intervals(prof: Any) -> tuple[list[Interval], list[Interval]]:
+def _kernel_intervals(prof: Any) -> tuple[list[Interval], list[Interval], dict[tuple[str, str], float]]:
     comm, compute = [], []
+    by_name: dict[tuple[str, str], float] = {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         interval = (float(evt.time_range.start), float(evt.time_range.end))
         if interval[1] <= interval[0]:
             continue
-        (comm if _is_comm(evt.name) else compute).append(interval)
-    return comm, compute
+        kind = "comm" if _is_comm(evt.name) else "compute"
+        (comm if kind == "comm" else compute).append(interval)
+        by_name[(kind, evt.name)] = by_name.get((kind, evt.name), 0.0) + interval[1] - interval[0]
+    return comm, compute, by_name
 
 
 def _merge(intervals: list[Interval]) -> list[Interval]:
