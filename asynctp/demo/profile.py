@@ -28,12 +28,15 @@ def profile_steps(step: Callable[[], Any], num_steps: int) -> dict[str, float]:
     exposed communication, compute and wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    on_gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    sync()
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(num_steps):
             step()
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - start
     comm, compute, by_name = _kernel_intervals(prof)
     totals = exposed_time(comm, compute)

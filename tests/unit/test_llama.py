@@ -135,3 +135,14 @@ def test_profile_kernel_classes():
     assert _is_comm("Memcpy PtoP (Device -> Device)")
     assert not _is_comm("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64")
     assert not _is_comm("Memcpy DtoD (Device -> Device)")
+
+
+def test_profile_steps_runs_without_gpu_kernels():
+    from asynctp.demo.profile import profile_steps
+
+    a = torch.randn(64, 64)
+    out = profile_steps(lambda: a @ a, 2)
+    assert out["num_steps"] == 2 and out["wall_ms"] > 0
+    if not torch.cuda.is_available():
+        assert out["comm_ms"] == out["exposed_comm_ms"] == 0.0
+        assert out["top_comm_kernels_ms"] == {}
