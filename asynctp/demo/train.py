@@ -118,10 +118,13 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
 def _enable_torch_async_tp(mesh: DeviceMesh) -> None:
     """Inductor's micro-pipeline TP pass (torch's own async TP) for graphs over this mesh."""
     import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    import torch.distributed._symmetric_memory as symm_mem
 
     inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(mesh.get_group().group_name)
+    # needed up to torch 2.8; later releases enable symmetric memory for the group on their own
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        enable(mesh.get_group().group_name)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
