@@ -121,7 +121,7 @@ def _enable_torch_async_tp(mesh: DeviceMesh) -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     inductor_config._micro_pipeline_tp = True
-    # needed up to torch 2.8; later releases enable symmetric memory for the group on their own
+    # the pass needs symmetric memory enabled for the group on releases that have this call
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:
         enable(mesh.get_group().group_name)
