@@ -217,6 +217,7 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
     stem = args.out / f"demo_{_hardware(world, device_type)}_{date}"
     record = {
         "kind": "asynctp demo",
+        "command": "asynctp demo " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "asynctp demo",
         "date": date,
         "hardware": _hardware(world, device_type),
         "backend": backend,
