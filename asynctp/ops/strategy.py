@@ -31,6 +31,12 @@ def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple
     "auto" overlaps over the send/recv ring where that pays and runs serially elsewhere."""
     if strategy in ("serial", "ring"):
         return strategy, None
+    if strategy == "auto":
+        # host time is what host-bound (small) calls are made of: a memoized "serial" answer
+        # costs auto one dict lookup more than strategy="serial"
+        memo = _serial_memo.get((op, group.group_name, device, shape_key))
+        if memo is not None and memo == _tuning_epoch():
+            return "serial", None
     ws = get_workspace(group, device)
     if ws is None:
         from asynctp.ops.tuning import ring_pays
@@ -40,4 +46,15 @@ def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple
         from asynctp.ops.tuning import pick
 
         strategy = pick(op, ws, device, shape_key)
+        if strategy == "serial":
+            _serial_memo[(op, group.group_name, device, shape_key)] = _tuning_epoch()
     return strategy, ws
+
+
+_serial_memo: dict[tuple, int] = {}
+
+
+def _tuning_epoch() -> int:
+    from asynctp.ops import tuning
+
+    return tuning.epoch

@@ -27,6 +27,7 @@ _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experimen
 _MIN_PIPELINE_FLOP = 2 * 4096 * 3584 * 8192
 _table: dict[str, str] | None = None
 _picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
+epoch = 0  # bumped when the table changes: memoized choices elsewhere compare against it
 
 
 def cache_path() -> Path:
@@ -72,8 +73,10 @@ def _key(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
 def record(op: str, world_size: int, device: torch.device, shape_key: tuple, strategy: str) -> None:
     """Remember the measured best strategy for a shape (written through to the cache file)."""
     key = _key(op, world_size, device, shape_key)
+    global epoch
     load()[key] = strategy
     _picked.clear()
+    epoch += 1
     path = cache_path()
     try:
         own = json.loads(path.read_text())
