@@ -4,17 +4,18 @@
 # with its own time limit.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export ASYNCTP_TUNING_CACHE=$OUT/tuning.json ASYNCTP_TIMEOUT=120
-R=$OUT/results; mkdir -p $R
-step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$OUT/$name.log" | tail -${TAILN:-6}; }
+W=/tmp/asynctp-session; mkdir -p $W/results  # packed into $OUT/session.tgz at the end: one file back
+export ASYNCTP_TUNING_CACHE=$W/tuning.json ASYNCTP_TIMEOUT=120
+R=$W/results
+step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-6}; }
 for s in ${STEPS:-rs demo tests8 fp8 compile}; do
   case $s in
     ag) step 150 bench_ag python3 -m asynctp.cli bench --op all_gather_matmul --shapes all --tune --out $R ;;
     rs) step 150 bench_rs python3 -m asynctp.cli bench --op matmul_reduce_scatter --shapes all --tune --out $R ;;
     demo) step 200 demo python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --profile --out $R ;;
     tests8) step 200 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
-    fp8) for op in all_gather_scaled_matmul_rowwise all_gather_scaled_matmul_tensorwise scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise; do step 60 bench_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R; done ;;
+    fp8) for op in ${FP8_OPS:-all_gather_scaled_matmul_rowwise all_gather_scaled_matmul_tensorwise scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise}; do step 60 bench_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R; done ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac
 done
-tar czf $OUT/session.tgz -C $OUT --exclude session.tgz . 2>/dev/null; ls -la $OUT | head
+tar czf $OUT/session.tgz -C $W . ; ls -la $OUT
