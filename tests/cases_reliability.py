@@ -122,3 +122,27 @@ def peer_never_joins_the_workspace(device: str) -> tuple[str, float]:
     if rank == ws - 1:
         return "skipped", 0.0
     return _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, group, strategy="pipeline"))
+
+
+def ops_on_two_streams() -> None:
+    """Ops queued on two streams with no sync between them are serialized on the workspace:
+    results equal the reference (cuda only: on cpu there are no streams)."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    b = ints((64, 48), 1, torch.bfloat16, "cuda", low=-1, high=2)
+    shards = [[ints((32, 64), 10 * i + r, torch.bfloat16, "cuda", low=-1, high=2) for r in range(ws)] for i in range(6)]
+    outs = []
+    for i in range(6):
+        streams[i % 2].wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(streams[i % 2]):
+            a_g, (o,) = asynctp.all_gather_matmul(shards[i][rank], [b], 0, g, strategy="pipeline")
+            r = asynctp.matmul_reduce_scatter(a_g, b, 0, g, strategy="pipeline")
+            outs.append((a_g, o, r))
+    torch.cuda.synchronize()
+    for i, (a_g, o, r) in enumerate(outs):
+        full = torch.cat(shards[i])
+        assert torch.equal(a_g, full)
+        assert torch.equal(o, (full.double() @ b.double()).bfloat16())
+        ref = ((full.double() @ b.double()) * ws).chunk(ws)[rank].bfloat16()
+        assert torch.equal(r, ref)

@@ -9,8 +9,9 @@ Workspace contract (every op that touches a workspace keeps it; the pipelines re
 - Between two ops no rank has a remote access to any workspace pending. An op opens its remote
   accesses after a barrier that every rank entered after finishing its previous op, and closes
   them with a barrier before it returns. Local writes at an op's start are therefore safe.
-- Two ops must not run concurrently on one workspace (different streams, threads): they would
-  share the bytes. Use one process group per concurrent stream of work.
+- Ops called on different streams are serialized on the workspace (the second waits for the
+  first: they would share its bytes). For real concurrency, use one process group per stream.
+  Ops must not be called from several host threads at once on one group.
 - Results never alias the buffer: ops copy or compute out of it into fresh tensors.
 """
 
@@ -82,6 +83,7 @@ class Lanes:
         self._next_event = 0
         self.caller: Any = None  # the caller's stream, set by fork()
         self.active: Any = None  # the stream work is being queued on
+        self._done: Any = None  # recorded on the caller's stream when an op has finished
         if self.is_cuda:
             with torch.cuda.device(device):
                 # High priority: otherwise CUDA may start the next matmul before the copy the
@@ -92,10 +94,15 @@ class Lanes:
             self._side = _Switch(self, self.side_stream)
 
     def fork(self) -> None:
-        """Side streams start after everything queued so far on the caller's stream."""
+        """Side streams start after everything queued so far on the caller's stream, and after
+        the previous op on this workspace if that one was queued on another stream: two ops in
+        flight on different streams would share the workspace's bytes, so they are serialized."""
         self._next_event = 0
         if self.is_cuda:
+            previous = self.caller
             self.caller = self.active = torch.cuda.current_stream()
+            if self._done is not None and self.caller != previous:
+                self.caller.wait_event(self._done)
             self.copy_stream.wait_stream(self.caller)
             self.side_stream.wait_stream(self.caller)
 
@@ -104,6 +111,9 @@ class Lanes:
         if self.is_cuda:
             self.caller.wait_stream(self.copy_stream)
             self.caller.wait_stream(self.side_stream)
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            self._done.record(self.caller)
 
     def copy(self) -> contextlib.AbstractContextManager:
         return self._copy if self.is_cuda else self._null

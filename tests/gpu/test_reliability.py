@@ -27,3 +27,7 @@ def test_nonfinite_inputs_raise_everywhere(pool):
 
 def test_two_groups_and_growth(pool):
     pool.run(cases_reliability.two_groups_interleaved, DEVICE)
+
+
+def test_ops_on_two_streams_are_serialized(pool):
+    pool.run(cases_reliability.ops_on_two_streams)
