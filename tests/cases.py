@@ -142,7 +142,6 @@ def outputs_do_not_alias(device: str) -> None:
 def bad_inputs(device: str) -> list[str]:
     """Each bad call raises the documented error on every rank, with no communication; the
     group works afterwards. Returns the messages (the test checks they match across ranks)."""
-    import pytest
 
     rank, ws = world()
     g = dist.group.WORLD
@@ -172,18 +171,27 @@ def bad_inputs(device: str) -> list[str]:
         cases.append((ValueError, "requires device", lambda: asynctp.all_gather_matmul(a, [b.cpu()], 0, g)))
     if ws == 3:  # divisibility along N (scatter on the last dim): N=6 divides by 2 and 3; use 4
         cases.append((ValueError, "divisible by the world size 3", lambda: asynctp.matmul_reduce_scatter(a, b[:, :4], -1, g)))
-    messages = []
-    for exc_type, text, call in cases:
-        with pytest.raises(exc_type) as info:
-            call()
-        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
-        messages.append(str(info.value))
+    messages = expect_errors(cases)
     # the group still works, for both ops
     a_g, (o,) = asynctp.all_gather_matmul(a, [b], 0, g)
     shards = [ints((6, 8), r, torch.float32, device) for r in range(ws)]
     assert torch.equal(a_g, torch.cat(shards))
     r = asynctp.matmul_reduce_scatter(o, ints((6, 4), 0, torch.float32, device), 0, g)
     assert r.shape == (6, 4)
+    return messages
+
+
+def expect_errors(cases: list) -> list[str]:
+    """Each (exception type, text, call): the call raises that type with that text in its
+    message. Returns the messages (tests compare them across ranks)."""
+    import pytest
+
+    messages = []
+    for exc_type, text, call in cases:
+        with pytest.raises(exc_type) as info:
+            call()
+        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
+        messages.append(str(info.value))
     return messages
 
 

@@ -7,8 +7,8 @@ dequantized inputs using torch.equal. Every rank builds every rank's inputs from
 Random cases (the recipes): SQNR against the high-precision matmul, and pipeline == serial.
 
 Every exact case runs under `checked_scaled_mm`, which wraps torch._scaled_mm and asserts the
-rules cuBLAS enforces on CUDA (scales paired, float32, contiguous, 16-byte aligned), so the CPU
-tier catches what would only crash on a GPU.
+rules cuBLAS enforces on CUDA (K and N multiples of 16, scales paired, float32, contiguous,
+16-byte aligned), so the CPU tier catches what would only crash on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import asynctp
 from asynctp.float8 import Float8Recipe, quantize_activation, quantize_weight
 from asynctp.ops.all_gather_scaled_matmul import all_gather_scaled_matmul
 from asynctp.ops.scaled_matmul_reduce_scatter import scaled_matmul_reduce_scatter
-from tests.cases import ints, shard_shape, world
+from tests.cases import expect_errors, ints, shard_shape, world
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -72,6 +72,10 @@ def checked_scaled_mm() -> Iterator[list[int]]:
 
     def checked(a, b, scale_a, scale_b, *args, **kwargs):
         m, n = a.shape[0], b.shape[1]
+        # mat2's dims are K and N only in the plain call: the ops may pass a's rows as mat2 (the
+        # transposed e5m2 call), and any M of the user's must still pass on CUDA
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and n % 16 == 0, (
+            f"mat1 {tuple(a.shape)} x mat2 {tuple(b.shape)}: K and mat2's N must be multiples of 16")
         assert a.is_contiguous(), "a must be row-major"
         if a.device.type == "cuda":
             assert b.stride(0) == 1, f"b must be column-major, got strides {b.stride()}"
@@ -277,7 +281,6 @@ def alignment_cases(device: str, splits: int | None = None) -> int:
 def bad_inputs(device: str) -> list[str]:
     """Each bad call raises the documented error on every rank before any communication; the
     group works afterwards. Returns the messages (the test checks they agree across ranks)."""
-    import pytest
 
     rank, ws = world()
     g = dist.group.WORLD
@@ -327,12 +330,7 @@ def bad_inputs(device: str) -> list[str]:
              lambda: ag(a[:, :8].contiguous(), [b[:8]], s, [s], 0, g)),
             (ValueError, "N (b's last dim) requires a multiple of 16", lambda: rs(a6, b[:, :8], s, s, 0, g)),
         ]
-    messages = []
-    for exc_type, text, call in cases:
-        with pytest.raises(exc_type) as info:
-            call()
-        assert text in str(info.value), f"expected {text!r} in {str(info.value)!r}"
-        messages.append(str(info.value))
+    messages = expect_errors(cases)
     # the group still works, for both ops
     a_g, (o,) = ag(a, [b], s, [s], 0, g)
     assert same_bytes(a_g, cat8([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)]))

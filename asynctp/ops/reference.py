@@ -8,7 +8,14 @@ import torch.distributed as dist
 
 from asynctp.ops.layout import GatherLayout, ScatterLayout
 
-__all__ = ["matmul_bias", "all_gather_matmul_serial", "matmul_reduce_scatter_serial", "divide_for_avg", "bias_chunk"]
+__all__ = [
+    "matmul_bias",
+    "all_gather_matmul_serial",
+    "matmul_reduce_scatter_serial",
+    "reduce_scatter_product",
+    "divide_for_avg",
+    "bias_chunk",
+]
 
 
 def matmul_bias(a_2d: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None):
@@ -47,12 +54,19 @@ def matmul_reduce_scatter_serial(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
+    return reduce_scatter_product(lay, torch.mm(lay.a_2d, b), reduce_op, bias, group)
+
+
+def reduce_scatter_product(
+    lay: ScatterLayout, full: torch.Tensor, reduce_op: str, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The serial tail shared by the bf16 and fp8 references: reduce_scatter the 2-D product
+    (sum; avg divides after), then add the bias once."""
     world, rank = lay.world_size, group.rank()
-    full = torch.mm(lay.a_2d, b)
+    out = full.new_empty(lay.chunk_shape(full.shape[1]))
     if lay.n_mode:
         m, n = full.shape[0], full.shape[1] // world
         full = full.view(m, world, n).transpose(0, 1).reshape(world * m, n)
-    out = full.new_empty(lay.chunk_shape(b.shape[1]))
     # gloo has no AVG: sum, then divide (NCCL's AVG rounds the same way for R = 2)
     dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
     divide_for_avg(out, reduce_op, world)

@@ -86,7 +86,7 @@ def ring_produce_and_reduce_scatter(
     bufs = torch.empty((3, *chunk_shape), dtype=dtype, device=device)  # partial, sum out, sum in
     out = torch.empty(chunk_shape, dtype=dtype, device=device)
     lanes.fork()
-    sent = None
+    sent = received = None
     for step in range(world):
         c = (rank - step - 1) % world
         partial = bufs[0] if step < world - 1 else out

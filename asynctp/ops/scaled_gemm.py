@@ -7,7 +7,9 @@ _scaled_mm's limits handled here (the same on CPU and CUDA, so CI runs the CUDA 
 - rowwise scales with a float32 output are missing from some releases' CUTLASS kernel: the
   product is taken unscaled in float32 and scaled after (the epilogue's own arithmetic);
 - the CUTLASS rowwise kernel (torch builds before cuBLAS 12.9) takes float8_e5m2 only as its first
-  operand: e4m3 a x e5m2 b is computed transposed (the bias then added after, rounded twice);
+  operand: e4m3 a x e5m2 b is computed transposed (the bias then added after, rounded twice); a's
+  rows are then mat2's columns, which CUDA wants a multiple of 16 like K and N, so they are
+  zero-padded (a pipeline's row block has any size: the user's K and N are checked, M never is);
 - scale slices off cuBLAS's 16-byte alignment are copied (scales.aligned).
 """
 
@@ -17,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from asynctp.ops.layout import GatherLayout, ScatterLayout
-from asynctp.ops.reference import bias_chunk, divide_for_avg
-from asynctp.ops.scales import aligned, expand_cols, expand_rows
+from asynctp.ops.reference import reduce_scatter_product
+from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, expand_cols, expand_rows
 
 __all__ = [
     "scaled_mm",
@@ -36,6 +38,21 @@ def _pair(a_scale: torch.Tensor, b_scale: torch.Tensor, m: int, n: int) -> tuple
     if tuple(b_scale.shape) != (1, n):
         b_scale = expand_cols(b_scale, n)
     return aligned(a_scale), aligned(b_scale)
+
+
+def _rows_padded(a_fp8: torch.Tensor, a_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a_fp8 [m, K] and its scale [m, 1] with zero rows (scale 1) appended up to a multiple of 16
+    rows; the padded rows' products are zero and are sliced off."""
+    m = a_fp8.shape[0]
+    m_pad = -(-m // CUDA_DIM_MULTIPLE) * CUDA_DIM_MULTIPLE
+    if m_pad == m:
+        return a_fp8, a_scale
+    # through the bytes (the zero byte is +0 in both float8 formats): no float8 fill kernel needed
+    padded = torch.zeros((m_pad, a_fp8.shape[1]), dtype=torch.uint8, device=a_fp8.device)
+    padded[:m].copy_(a_fp8.view(torch.uint8))
+    scale = torch.ones((m_pad, 1), dtype=torch.float32, device=a_scale.device)
+    scale[:m].copy_(a_scale)
+    return padded.view(a_fp8.dtype), scale
 
 
 def scaled_mm(
@@ -67,10 +84,11 @@ def scaled_mm(
         )
     elif rowwise and b_fp8.dtype == torch.float8_e5m2:
         # the CUTLASS rowwise kernel takes e5m2 only as its first operand: out.t() = b.t() @ a.t()
+        a_pad, a_scale_pad = _rows_padded(a_fp8, a_scale)
         out_t = torch._scaled_mm(
-            b_fp8.t(), a_fp8.t(), b_scale.reshape(n, 1), a_scale.reshape(1, m),
+            b_fp8.t(), a_pad.t(), b_scale.reshape(n, 1), a_scale_pad.reshape(1, a_pad.shape[0]),
             out_dtype=out_dtype, use_fast_accum=use_fast_accum,
-        )
+        )[:, :m]
         out = out_t.t().contiguous() if out is None else out.copy_(out_t.t())
     else:
         return torch._scaled_mm(
@@ -159,14 +177,5 @@ def scaled_matmul_reduce_scatter_serial(
 ) -> torch.Tensor:
     """One scaled matmul, then reduce_scatter (sum; avg divides after), then the bias once.
     a_scale: numel 1, or the rowwise scale laid out like lay.a_2d ([rows, 1])."""
-    world, rank = lay.world_size, group.rank()
     full = scaled_mm(lay.a_2d, b, a_scale, b_scale, out_dtype, use_fast_accum=use_fast_accum)
-    if lay.n_mode:
-        m, n = full.shape[0], full.shape[1] // world
-        full = full.view(m, world, n).transpose(0, 1).reshape(world * m, n)
-    out = full.new_empty(lay.chunk_shape(b.shape[1]))
-    dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
-    divide_for_avg(out, reduce_op, world)
-    if bias is not None:
-        out.add_(bias_chunk(lay, bias, rank))
-    return lay.restore(out)
+    return reduce_scatter_product(lay, full, reduce_op, bias, group)
