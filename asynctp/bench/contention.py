@@ -62,10 +62,12 @@ def measure_contention(group: dist.ProcessGroup, size: int = 8192, mb: int = 256
     asynctp.reserve(group, shard.numel() * 2, "cuda")
     for fn in (ours, nccl, mm):  # warm-up
         fn()
-    mm_alone = statistics.median(_run(mm, None, 10, 0)[0] for _ in range(repeats))
+    # every count below must be the same on every rank (a collective issued by one rank only
+    # hangs the others), so the times they derive from are agreed first
+    mm_alone = _max_over_ranks(statistics.median(_run(mm, None, 10, 0)[0] for _ in range(repeats)))
     out = {"matmul": f"{size}^3 bf16", "gather_mb_per_rank": mb, "world_size": world, "matmul_alone_us": mm_alone * 1e3}
     for name, coll in (("nccl", nccl), ("asynctp", ours)):
-        alone = statistics.median(_run(mm, coll, 0, 10)[1] for _ in range(repeats))
+        alone = _max_over_ranks(statistics.median(_run(mm, coll, 0, 10)[1] for _ in range(repeats)))
         # as many collectives as fit in the matmul loop, so they overlap it throughout
         n_coll = max(1, int(10 * mm_alone / alone))
         both = [_run(mm, coll, 10, n_coll) for _ in range(repeats)]
