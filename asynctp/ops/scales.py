@@ -25,6 +25,7 @@ from asynctp.ops.validate import check_dim, check_strategy, check_tensor
 __all__ = [
     "FP8_DTYPES",
     "OUT_DTYPES",
+    "CUDA_DIM_MULTIPLE",
     "is_rowwise",
     "column_major",
     "aligned",
@@ -41,8 +42,8 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 REDUCE_OPS = ("sum", "avg")
 # cuBLAS (and the CUTLASS rowwise kernel) read operands and scales with 16-byte vector loads
 _SCALE_ALIGN = 16
-# torch._scaled_mm on CUDA: K and N multiples of 16
-_CUDA_DIM_MULTIPLE = 16
+# torch._scaled_mm on CUDA: mat1's K, and mat2's K and N, multiples of 16 (M is free)
+CUDA_DIM_MULTIPLE = 16
 
 
 def is_rowwise(a_scale: torch.Tensor, a: torch.Tensor) -> bool:
@@ -176,9 +177,9 @@ def _check_cuda_dims(a: torch.Tensor, sizes: Sequence[tuple[str, int]]) -> None:
     if a.device.type != "cuda":
         return
     for what, size in sizes:
-        if size % _CUDA_DIM_MULTIPLE:
+        if size % CUDA_DIM_MULTIPLE:
             raise ValueError(
-                f"{what} requires a multiple of {_CUDA_DIM_MULTIPLE} (torch._scaled_mm on CUDA), got {size}"
+                f"{what} requires a multiple of {CUDA_DIM_MULTIPLE} (torch._scaled_mm on CUDA), got {size}"
             )
 
 
