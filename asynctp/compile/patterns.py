@@ -4,6 +4,8 @@ Forms recognized (R = group size, as the functional collectives and DTensor emit
 
     gather dim 0:   shard -> all_gather_into_tensor -> wait_tensor
     gather dim d>0: ... -> wait_tensor -> split(s, 0) -> getitem x R (or slice x R) -> cat(dim=d)
+    gather dim d>0, every shard dim before d of size 1 (batch 1 sequence parallel): ... -> wait_tensor
+                    -> view / reshape to the gathered shape (funcol's view instead of split + cat)
     fp8 type-erased: the above on a uint8 view of the shard, then view(float8) (per chunk or once)
     scatter dim 0:  x -> reduce_scatter_tensor -> wait_tensor
     scatter dim d>0: x -> split(s, d) -> getitem x R (or slice x R) -> cat(dim=0) -> reduce_scatter ...
@@ -210,6 +212,10 @@ def _match_gather(ag: fx.Node) -> Gather:
             g.nodes += pieces + [cat]
             g.erased_dtype = chunk_dtype
             g.result, g.gather_dim = cat, dim
+    if cat is None:
+        _match_gathered_view(g, num)
+        if g.problem:
+            return g
     users = list(g.result.users)
     if len(users) == 1 and users[0].target is aten.view.dtype:
         g.erased_dtype = users[0].args[1]
@@ -218,6 +224,44 @@ def _match_gather(ag: fx.Node) -> Gather:
     if cat is not None and g.result is g.wait:
         g.problem = "the gathered chunks are reassembled in a form asynctp does not recognize"
     return g
+
+
+def _gathered_view_dim(view: fx.Node, shard: Any, num: int) -> int | None:
+    """The dim d > 0 that `view` of the rank-major rows gathers along, or None. The rows are
+    already the gathered tensor when every shard dim before d has size 1 (and only then)."""
+    out, src = tensor_of(view), tensor_of(shard)
+    if out is None or src is None or out.ndim != src.ndim:
+        return None
+    changed = [d for d in range(src.ndim) if out.shape[d] != src.shape[d]]
+    if len(changed) != 1 or changed[0] == 0:
+        return None
+    dim = changed[0]
+    if out.shape[dim] != num * src.shape[dim] or prod(src.shape[:dim]) != 1:
+        return None
+    return dim
+
+
+def _match_gathered_view(g: Gather, num: int) -> None:
+    """funcol's gather along d > 0 of a shard whose dims before d are all 1 (batch 1): a view of
+    the rows, no split + cat (inductor then turns it into a reshape). A fp8 gather's
+    view(dtype) may stand before that view (one after it is _match_gather's)."""
+    chain: list[fx.Node] = []
+    node = g.wait
+    if len(node.users) == 1 and next(iter(node.users)).target is aten.view.dtype:
+        node = next(iter(node.users))
+        chain.append(node)
+    views = [(u, d) for u in node.users if u.target in RESHAPES and (d := _gathered_view_dim(u, g.shard, num))]
+    if len(views) != 1:
+        return
+    view, dim = views[0]
+    outside = [u for u in node.users if u is not view]
+    if outside:
+        g.problem = f"the gathered rows are also used by {outside[0].name}"
+        return
+    g.nodes += chain + [view]
+    g.result, g.gather_dim = view, dim
+    if chain:
+        g.erased_dtype = chain[0].args[1]
 
 
 def unforeseen(exc: Exception) -> str:

@@ -2,7 +2,9 @@
 
 Users keep reporting "async TP had no effect"; this is the answer to "why": one record per
 all-gather / reduce-scatter per compiled graph, kept for the process and logged at INFO on the
-"asynctp.compile" logger as each graph is compiled.
+"asynctp.compile" logger as each graph is compiled. A collective that dynamo leaves out of the
+compiled graphs (a graph break: torch 2.11 breaks at funcol's gather along dim > 0 when called
+directly, pytorch/pytorch#179722) runs eagerly, never reaches the pass and is not listed.
 """
 
 from __future__ import annotations

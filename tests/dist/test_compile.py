@@ -25,8 +25,18 @@ def test_compiled_block_same_loss_and_grads(pool):
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
+def test_compiled_block_batch1_same_loss_and_grads(pool):
+    """Batch 1 (as in the 8B timing): funcol gathers the sequence as a view of the rows."""
+    got = pool.run(cases_compile.compiled_block_matches, "cpu", 1, timeout=900)[0]
+    assert got["unfused"] == [], got["text"]
+    assert got["ag"] == 4 and got["rs"] == 7, got["text"]
+    assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
 def test_compiled_fp8_same_result(pool):
     got = pool.run(cases_compile.compiled_fp8_matches, "cpu", timeout=600)[0]
+    assert got["graphs"] == 1, got["text"]  # one graph: no break kept a gather out of the pass
     assert got["unfused"] == [], got["text"]
     # the rowwise scale's gather is folded into A's: 2 gathers, 1 op
     assert got["ag"] == 2 and got["rs"] == 1, got["text"]

@@ -1,6 +1,7 @@
 """tests/gpu: the torch.compile pass on >= 2 GPUs (NCCL, cuda symmetric backend): the tiny
 DTensor sequence-parallel Llama-style block compiled with and without the pass gives the same
-loss and gradients, and every TP collective is fused in forward and backward;
+loss and gradients, and every TP collective is fused in forward and backward (batch 2, and
+batch 1 where funcol gathers the sequence as a view of the rows);
 the fp8 forms (bf16 output, as cuBLAS rowwise requires) give the same result with the pass."""
 
 from tests import cases_compile
@@ -16,8 +17,17 @@ def test_compiled_block_same_loss_and_grads(pool):
     assert got["matmuls"] == [1, 1, 2, 3], got["text"]
 
 
+def test_compiled_block_batch1_same_loss_and_grads(pool):
+    """Batch 1 (as in the 8B timing): funcol gathers the sequence as a view of the rows."""
+    got = pool.run(cases_compile.compiled_block_matches, "cuda", 1, timeout=900)[0]
+    assert got["unfused"] == [], got["text"]
+    assert got["ag"] == 4 and got["rs"] == 7, got["text"]
+    assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+
+
 def test_compiled_fp8_same_result(pool):
     got = pool.run(cases_compile.compiled_fp8_matches, "cuda", timeout=600)[0]
+    assert got["graphs"] == 1, got["text"]  # one graph: no break kept a gather out of the pass
     assert got["unfused"] == [], got["text"]
     assert got["ag"] == 2 and got["rs"] == 1, got["text"]
 

@@ -134,3 +134,25 @@ def test_no_symmetric_workspace_is_fused_with_a_note(monkeypatch):
 
     _, (rec,) = rewrite(f, (4, 16), (16, 16), (), ())
     assert rec.fused and rec.reason.startswith("group has no symmetric workspace") and "ring" in rec.reason
+
+
+@pytest.mark.parametrize("dtype_view", ["after", "before"])
+def test_type_erased_gather_batch1_view_form_rowwise(dtype_view):
+    """Batch 1: funcol views the gathered rows (no split + cat), for the uint8 A and its scale;
+    the view back to float8 may come after that view or before it."""
+
+    def f(x, w, s, sb):
+        rows = cc.gather(x.to(F8).view(torch.uint8), 0)
+        a = rows.view(1, 8, 16).view(F8) if dtype_view == "after" else rows.view(F8).view(1, 8, 16)
+        scale = cc.gather(s, 0).view(1, 8, 1)
+        out = torch._scaled_mm(a.reshape(-1, 16), w.to(F8).t(), scale.reshape(-1, 1), sb, out_dtype=BF16)
+        return out.reshape(1, 8, 16)
+
+    gm, records = rewrite(f, (1, 4, 16), (16, 16), (1, 4, 1), (1, 16))
+    assert len(records) == 2
+    check_fused(records[0], "asynctp.all_gather_scaled_matmul")
+    if HAS_SCALED:
+        assert records[0].dim == 1 and records[1].fused and "rowwise A scale" in records[1].reason
+        (node,) = cc.nodes_of(gm, "asynctp.all_gather_scaled_matmul.default")
+        assert node.args[0].meta["val"].dtype == F8 and node.args[4] == 1
+        assert "_c10d_functional.all_gather_into_tensor.default" not in cc.targets(gm)

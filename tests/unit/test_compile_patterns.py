@@ -235,3 +235,94 @@ def test_slice_cat_reduce_scatter():
 
     gm, (rec,) = rewrite(f, (2, 6, 8), (8, 6))
     assert rec.fused and rec.dim == 1 and fused_node(gm, RS).args[2] == 1
+
+
+# --- batch 1: funcol views the gathered rows instead of split + cat ------------------------------
+
+
+def gather_view(x, dim):
+    """cc.gather(x, dim) as funcol writes it when every shard dim before `dim` has size 1: the
+    rank-major rows, viewed (no data moves)."""
+    shape = list(x.shape)
+    shape[dim] *= cc.FAKE_WORLD
+    return cc.gather(x, 0).view(shape)
+
+
+def rewrite_as_inductor(fn, *shapes):
+    """rewrite() on the graph as inductor's post-grad passes see it: its view_to_reshape has
+    made every aten.view an aten.reshape (the node keeps its name, view_N)."""
+    gm = cc.trace(fn, *shapes)
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    before = cc.output_shapes(gm)
+    records = rewrite_graph(gm.graph)
+    gm.recompile()
+    assert cc.output_shapes(gm) == before
+    return gm, records
+
+
+@pytest.mark.parametrize("as_inductor", [False, True], ids=["view", "reshape"])
+def test_gather_batch1_view_form(as_inductor):
+    f = lambda x, w: torch.nn.functional.linear(gather_view(x, 1), w)  # noqa: E731
+    gm, (rec,) = (rewrite_as_inductor if as_inductor else rewrite)(f, (1, 4, 8), (6, 8))
+    assert rec.fused and rec.dim == 1 and rec.shape == (1, 4, 8)
+    node = fused_node(gm, AG)
+    assert node.args[2] == 1 and node.args[4] is False
+    assert not {C10D_AG, "aten.mm.default"} & set(cc.targets(gm))
+
+
+def test_gather_batch1_funcol_as_this_torch_writes_it():
+    gm, (rec,) = rewrite(lambda x, w: cc.gather(x, 1) @ w, (1, 4, 8), (8, 6))
+    assert rec.fused and rec.dim == 1 and fused_node(gm, AG).args[2] == 1
+
+
+def test_gather_batch1_last_dim_view_form():
+    gm, (rec,) = rewrite(lambda x, w: gather_view(x, 2) @ w, (1, 1, 4), (8, 6))
+    assert rec.fused and rec.dim == 2 and fused_node(gm, AG).args[2] == 2
+
+
+def test_gather_batch1_qkv_with_the_flat_a_saved():
+    """The 8B block's forward (batch 1): x gathered into q, k and v (bias on v); the flattened
+    gathered x is saved for the weight gradients."""
+
+    def f(x, wq, wk, wv, bv):
+        a2 = gather_view(x, 1).reshape(-1, 8)
+        q, k, v = a2 @ wq.t(), a2 @ wk.t(), torch.addmm(bv, a2, wv.t())
+        return q.reshape(1, 8, 8), k.reshape(1, 8, 4), v.reshape(1, 8, 4), a2
+
+    gm, (rec,) = rewrite_as_inductor(f, (1, 4, 8), (8, 8), (4, 8), (4, 8), (4,))
+    assert rec.fused and rec.dim == 1 and rec.num_matmuls == 3
+    node = fused_node(gm, AG)
+    assert node.args[4] is True and node.args[5][2] is not None
+    assert not {C10D_AG, "aten.mm.default", "aten.addmm.default"} & set(cc.targets(gm))
+
+
+def test_gather_batch1_backward_dgrad_fused_wgrad_reads_a():
+    """The 8B block's backward (batch 1): the gathered output grad is A of the input-grad matmul
+    and, transposed, of the weight-grad matmul (which reads the op's a_gathered)."""
+
+    def f(dy, w, x2):
+        dy2 = gather_view(dy, 1).reshape(-1, 8)
+        return (dy2 @ w).reshape(1, 8, 6), dy2.t() @ x2
+
+    gm, (rec,) = rewrite_as_inductor(f, (1, 4, 8), (8, 6), (8, 5))
+    assert rec.fused and rec.dim == 1 and rec.num_matmuls == 1
+    assert fused_node(gm, AG).args[4] is True
+    assert cc.targets(gm).count("aten.mm.default") == 1  # the weight gradient's
+
+
+def test_view_of_the_rows_with_batch_2_is_not_a_gather():
+    """[R * 2, 3, 8] viewed as [2, 6, 8] interleaves the ranks' rows: not a gather along dim 1."""
+    _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0).view(2, 6, 8) @ w, (2, 3, 8), (8, 6))
+    assert not rec.fused and rec.dim == 0 and rec.reason.startswith("gather feeds no matmul")
+
+
+def test_gathered_rows_also_read_elsewhere():
+    def f(x, w):
+        rows = cc.gather(x, 0)
+        return rows.view(1, 8, 8) @ w, rows.sum()
+
+    _, (rec,) = rewrite(f, (1, 4, 8), (8, 6))
+    assert not rec.fused and "the gathered rows are also used by" in rec.reason
