@@ -46,12 +46,37 @@ def test_bfloat16_loss_curves_agree(pool):
     assert max(abs(a - b) / abs(a) for a, b in zip(vanilla, fused)) <= 1e-2, (vanilla, fused)
 
 
+# fp8 vs bf16 training, 30 steps of the 2-layer test model (dim 192) on 2 x 12-token batches.
+# Smoothed (mean of the last 10 losses): published fp8-vs-bf16 gaps on smoothed curves are under 1%
+# (DeepSeek-V3: < 0.25% relative loss error; torchao / torchtitan Llama 3 curves overlap), and the
+# CPU emulation of both recipes on this model (same code, 6 init seeds) stays under 0.25%; 3% is
+# margin for a 30-step toy model, and still fails a recipe that learns at half bf16's speed (the
+# whole drop here is ~0.3 nats, ~7%).
+FP8_SMOOTHED_GAP = 3e-2
+# Per step: two different trajectories scored on one tiny batch. The first AdamW steps move every
+# weight by ~lr whatever its gradient's size, so e5m2 gradients (2 mantissa bits) flip the updates
+# of the small ones, a 24-token loss amplifies the difference, and the max over 30 steps keeps the
+# worst. 2xH200 measured 6.5% with both recipes (the CPU emulation: <= 1.8%, so a GPU rerun should
+# look at the curves this prints). Scale bugs are the SQNR test's job: AdamW divides a gradient's
+# scale away, so a loss curve barely sees one.
+FP8_STEP_GAP = 1e-1
+
+
+def _curves(vanilla: list[float], fused: list[float]) -> str:
+    """Both curves and their per-step relative gap, one step a line (pytest would elide a repr)."""
+    rows = [f"{i:3d} {a:.4f} {b:.4f} {abs(a - b) / abs(a):.4f}" for i, (a, b) in enumerate(zip(vanilla, fused))]
+    return "\nstep bf16 fp8 gap\n" + "\n".join(rows)
+
+
 @needs_style_world
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_float8_training_follows_bfloat16(pool, recipe):
     vanilla, fused = pool.run(cases_nn.loss_curves, DEVICE, 30, "bfloat16", recipe, 1e-3)[0]
-    assert fused[-1] < fused[0] - 0.2
-    assert max(abs(a - b) / abs(a) for a, b in zip(vanilla, fused)) <= 5e-2, (vanilla, fused)
+    curves = _curves(vanilla, fused)
+    assert fused[-1] < fused[0] - 0.2, curves
+    tail_bf16, tail_fp8 = sum(vanilla[-10:]) / 10, sum(fused[-10:]) / 10
+    assert abs(tail_fp8 - tail_bf16) / tail_bf16 <= FP8_SMOOTHED_GAP, curves
+    assert max(abs(a - b) / abs(a) for a, b in zip(vanilla, fused)) <= FP8_STEP_GAP, curves
 
 
 def test_bad_plans(pool):
