@@ -56,7 +56,7 @@ FP8_SMOOTHED_GAP = 3e-2
 # Per step: two different trajectories scored on one tiny batch. The first AdamW steps move every
 # weight by ~lr whatever its gradient's size, so e5m2 gradients (2 mantissa bits) flip the updates
 # of the small ones, a 24-token loss amplifies the difference, and the max over 30 steps keeps the
-# worst. 2xH200 measured 6.5% with both recipes (the CPU emulation: <= 1.8%, so a GPU rerun should
+# worst. 2xH200 measured 6.5% with both recipes (the CPU emulation: <= 2%, so a GPU rerun should
 # look at the curves this prints). Scale bugs are the SQNR test's job: AdamW divides a gradient's
 # scale away, so a loss curve barely sees one.
 FP8_STEP_GAP = 1e-1
