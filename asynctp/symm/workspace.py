@@ -101,7 +101,9 @@ class Lanes:
         if self.is_cuda:
             previous = self.caller
             self.caller = self.active = torch.cuda.current_stream()
-            if self._done is not None and self.caller != previous:
+            # (not during CUDA-graph capture: waiting there on work recorded outside it is an
+            # error, and capture starts after a device sync anyway)
+            if self._done is not None and self.caller != previous and not torch.cuda.is_current_stream_capturing():
                 self.caller.wait_event(self._done)
             self.copy_stream.wait_stream(self.caller)
             self.side_stream.wait_stream(self.caller)
@@ -111,6 +113,9 @@ class Lanes:
         if self.is_cuda:
             self.caller.wait_stream(self.copy_stream)
             self.caller.wait_stream(self.side_stream)
+            if torch.cuda.is_current_stream_capturing():
+                self._done = None  # a captured op is ordered by the graph's replays, not by this event
+                return
             if self._done is None:
                 self._done = torch.cuda.Event()
             self._done.record(self.caller)
