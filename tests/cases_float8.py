@@ -226,7 +226,7 @@ def scaled_matmul_reduce_scatter_grid(device: str, strategy: str) -> int:
 
 @contextlib.contextmanager
 def _splits(splits: int | None) -> Iterator[None]:
-    """Force the pipelines' row blocks per rank chunk (tuning.splits_for reads the variable)."""
+    """Force the pipelines' row blocks per rank chunk (tuning.plan_for reads the variable)."""
     import os
 
     from asynctp.ops.tuning import _SPLITS_ENV

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_path", "pick", "record", "load", "plan_for", "splits_for", "ring_pays"]
+__all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
@@ -135,7 +135,3 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
         return (2 if rows == 2048 else 1), lockstep
     return (2 if rows >= 2048 else 1), lockstep
 
-
-def splits_for(op: str, shape_key: tuple, world_size: int) -> int:
-    """Row blocks per rank chunk (the first half of plan_for)."""
-    return plan_for(op, shape_key, world_size)[0]

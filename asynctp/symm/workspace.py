@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -229,13 +228,3 @@ class Workspace(abc.ABC):
 
     def _timeout(self, timeout: float | None) -> float:
         return get_timeout() if timeout is None else timeout
-
-    @contextlib.contextmanager
-    def running(self, op: str) -> Iterator[Workspace]:
-        """Name the op in progress, so that a timeout says which op waited (hot paths set
-        `ws.op` directly: a generator context costs microseconds per call)."""
-        previous, self.op = self.op, op
-        try:
-            yield self
-        finally:
-            self.op = previous
