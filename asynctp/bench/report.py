@@ -11,7 +11,8 @@ the slowest rank's median time in microseconds:
     asynctp_auto(_graph) strategy="auto", eager (and CUDA-graphed)
 
 A variant that could not run has time None and its reason under "skipped". Efficiency of a variant is
-max(compute_bound, comm_bound) / its time; auto_vs_serial is serial's time / auto's time.
+max(compute_bound, comm_bound) / its time; auto_vs_serial is serial's time / auto's time, both
+from the same alternating rounds (serial_paired) where the row has them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
 COMPUTE, COMM, SERIAL = "compute_bound", "comm_bound", "serial"
 TORCH, TORCH_GRAPH = "torch_fused", "torch_fused_graph"
 AUTO, AUTO_GRAPH = "asynctp_auto", "asynctp_auto_graph"
+SERIAL_PAIRED = "serial_paired"  # serial, timed in alternating rounds with auto
 
 _HEADINGS = {
     COMPUTE: "mm only", COMM: "comm only", SERIAL: "serial", TORCH: "torch fused",
@@ -62,7 +64,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
             k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM) and t
         }
     if times.get(SERIAL) and times.get(AUTO):
-        row["auto_vs_serial"] = times[SERIAL] / times[AUTO]
+        row["auto_vs_serial"] = times.get(SERIAL_PAIRED, times[SERIAL]) / times[AUTO]
     return row
 
 

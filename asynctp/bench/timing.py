@@ -77,6 +77,28 @@ def time_us(
     return max_over_ranks(local, group, device)
 
 
+def paired_us(
+    fa: Callable[[], Any], fb: Callable[[], Any], iters: int, warmup: int, group: dist.ProcessGroup,
+    device: torch.device, rounds: int = 5,
+) -> tuple[float, float]:
+    """The slowest rank's times of fa and fb, measured in alternating rounds (fa's block, fb's
+    block, ...) and reduced to the median of each one's round medians. For comparisons of two
+    variants whose difference is smaller than the drift of a machine over a row (host-bound
+    calls): both see the same conditions."""
+    rounds = max(1, min(rounds, iters))
+    per_round = max(1, iters // rounds)
+    align_ranks(group, device)
+    for _ in range(warmup):
+        fa()
+        fb()
+    a_meds, b_meds = [], []
+    for _ in range(rounds):
+        a_meds.append(median_us(fa, per_round, 0, device))
+        b_meds.append(median_us(fb, per_round, 0, device))
+    a, b = statistics.median(a_meds), statistics.median(b_meds)
+    return max_over_ranks(a, group, device), max_over_ranks(b, group, device)
+
+
 def capture_graph(fn: Callable[[], Any], device: torch.device, warmup: int = 3) -> tuple[Callable[[], None], Any]:
     """Capture fn in a CUDA graph; returns (replay, the outputs the graph writes on each replay).
 

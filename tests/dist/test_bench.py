@@ -90,7 +90,7 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
         ("matmul_reduce_scatter", "96x64x32"), ("matmul_reduce_scatter", "192x64x32"),
     ]
     strategies = pipelined_strategies(cases.CASES["all_gather_matmul"])
-    timed = {"compute_bound", "comm_bound", "serial", "asynctp_auto"} | {f"asynctp_{s}" for s in strategies}
+    timed = {"compute_bound", "comm_bound", "serial", "serial_paired", "asynctp_auto"} | {f"asynctp_{s}" for s in strategies}
     for row in rows:
         assert set(row) == _ROW_KEYS and row["error"] is None
         assert row["world_size"] == world and row["hardware"] == f"{world}xcpu" and row["device"] == "cpu"
