@@ -45,3 +45,20 @@ def test_group_without_workspace_warns_and_uses_the_ring(pool):
 
 def test_low_contention_collectives(pool):
     assert pool.run(cases.low_contention_collectives, DEVICE)[0] == 10
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    from tests.multiprocess import RankPool
+
+    p = RankPool(4, backend="gloo")
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "ring"])
+def test_world_size_4(pool4, strategy):
+    """Every dim of both ops at 4 ranks (more peers than the 2-3 above: ring order, signals
+    per source, pushes to several owners)."""
+    assert pool4.run(cases.all_gather_matmul_grid, DEVICE, "float32", strategy)[0] == 28
+    assert pool4.run(cases.matmul_reduce_scatter_grid, DEVICE, "bfloat16", strategy)[0] == 28
