@@ -1,7 +1,8 @@
 """asynctp: tensor-parallel collectives overlapped with the matmuls that depend on them.
 
 Not public (may change without notice): everything under asynctp.symm other than
-Workspace/get_workspace/reserve, asynctp.ops.* submodules, asynctp.kernels.
+Workspace/get_workspace/reserve, the asynctp.ops.* submodules, asynctp.bench and asynctp.demo.
+`asynctp.compile` (the torch.compile pass) is imported on first use: it loads inductor.
 """
 
 from asynctp.config import get_timeout, set_timeout
@@ -14,6 +15,15 @@ from asynctp.nn import all_gather_linear, linear_reduce_scatter
 from asynctp import parallel
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # asynctp.compile loads inductor (about a second): only when it is used
+    if name == "compile":
+        import importlib
+
+        return importlib.import_module("asynctp.compile")
+    raise AttributeError(f"module 'asynctp' has no attribute {name!r}")
 
 __all__ = [
     # fused ops (bf16 / fp16 / fp32)

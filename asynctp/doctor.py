@@ -31,18 +31,42 @@ def report() -> list[str]:
         for i in range(n):
             row = " ".join("-" if i == j else ("Y" if torch.cuda.can_device_access_peer(i, j) else "n") for j in range(n))
             lines.append(f"  cuda:{i}  {row}")
-    if n >= 2:
-        lines.append("backend: cuda symmetric memory (copy-engine peer copies) for groups of GPUs on this host")
-    elif n == 1:
-        lines.append("backend: one GPU only: a TP group needs >= 2 ranks; CPU ranks use the cpu (shared-memory) backend")
-    else:
-        lines.append("backend: cpu (POSIX shared memory between local processes, gloo for collectives)")
+    lines += _backend_lines(n)
     for var in _ENV_VARS:
         lines.append(f"{var}={os.environ.get(var, '(unset)')}")
-    from asynctp.ops.tuning import cache_path
+    lines.append("NVLink multicast: never used by asynctp (no multimem/multicast calls), whatever the variables above say")
+    from asynctp.ops.tuning import cache_path, load
 
-    lines.append(f"tuning cache: {cache_path()}")
+    table = load()
+    name = torch.cuda.get_device_name(0) if n else "cpu"
+    known = sum(1 for key in table if f"|{name}|" in key)
+    lines.append(f"tuning: {cache_path()} over the shipped tables; {known} measured shapes for {name}")
     return lines
+
+
+def _backend_lines(n: int) -> list[str]:
+    """Which backend and strategy each op would use on this machine, and why."""
+    ops = "all_gather_matmul, matmul_reduce_scatter, all_gather_scaled_matmul, scaled_matmul_reduce_scatter"
+    if n == 0:
+        return [
+            "backend: cpu (POSIX shared memory between local processes; gloo for collectives)",
+            f"  {ops}: strategy auto -> pipeline (the same code the GPU runs, in program order)",
+        ]
+    p2p = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
+    if n >= 2 and p2p:
+        return [
+            "backend: cuda symmetric memory for groups of these GPUs (every pair has peer access)",
+            f"  {ops}: strategy auto -> pipeline where the tuning table says it wins (or, for an",
+            "    unmeasured shape, from the M 4096 x 3584 x 8192 seed shape's FLOPs up), else serial",
+            "  all_gather, reduce_scatter: copy-engine copies over the workspace",
+            "  groups spanning hosts: no workspace -> strategy ring (NCCL send/recv) or serial, with a warning",
+        ]
+    if n >= 2:
+        return [
+            "backend: none for groups of these GPUs (some pair has no peer access)",
+            f"  {ops}: strategy auto -> ring (NCCL send/recv on a side stream) for large matmuls, else serial",
+        ]
+    return ["backend: one GPU: a TP group needs >= 2 ranks (CPU ranks would use the cpu backend)"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

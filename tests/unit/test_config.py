@@ -80,3 +80,18 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch):
 def test_public_api():
     for name in asynctp.__all__:
         assert hasattr(asynctp, name), name
+
+
+def test_doctor_reports_backend_and_versions():
+    from asynctp.doctor import report
+
+    lines = report()
+    assert lines[0] == f"torch {torch.__version__}"
+    assert any(line.startswith("backend:") for line in lines)
+    assert any("multicast" in line for line in lines)
+
+
+def test_compile_subpackage_loads_on_first_use():
+    assert callable(asynctp.compile.enable)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        asynctp.nope  # noqa: B018
