@@ -95,3 +95,10 @@ def test_compile_subpackage_loads_on_first_use():
     assert callable(asynctp.compile.enable)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         asynctp.nope  # noqa: B018
+
+
+def test_rule_for_unmeasured_shapes():
+    big, small = ("bfloat16", 8192, 3584, 8192), ("bfloat16", 1024, 3584, 8192)
+    assert tuning._rule("all_gather_matmul", big) == "pipeline"
+    assert tuning._rule("matmul_reduce_scatter", small) == "serial"
+    assert tuning._rule("all_gather_scaled_matmul", ("float8_e4m3fn-rowwise", 8192, 3584, 8192)) == "serial"
