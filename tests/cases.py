@@ -260,18 +260,13 @@ def cuda_graph_capture() -> None:
         a_g, (o,) = asynctp.all_gather_matmul(a_static, [b], 0, g, strategy="pipeline")
         return a_g, o, asynctp.matmul_reduce_scatter(o, b2, 0, g, strategy="pipeline")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        a_g, o, r = step()
+    from asynctp.bench.timing import capture_graph
+
+    replay, (a_g, o, r) = capture_graph(step, torch.device("cuda"))  # warm-up on a side stream, then capture
     for trial in range(3):
         shards = [ints((64, 128), 100 * trial + p, dtype, "cuda", low=-1, high=2) for p in range(ws)]
         a_static.copy_(shards[rank])
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         full = torch.cat(shards)
         assert torch.equal(a_g, full)

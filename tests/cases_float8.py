@@ -537,19 +537,14 @@ def cuda_graph_capture() -> None:
         r = scaled_matmul_reduce_scatter(o_fp8, b2_shard, one, one, 0, g, strategy="pipeline")
         return o, o_fp8, r
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, o_fp8, r = step()
+    from asynctp.bench.timing import capture_graph
+
+    replay, (o, o_fp8, r) = capture_graph(step, torch.device("cuda"))  # warm-up on a side stream, then capture
     one = torch.ones((), device="cuda")
     for trial in range(3):
         a_static.copy_(fp8_ints((64, 128), 100 * trial + rank, E4M3, "cuda"))
         s_static.copy_(pow2((64, 1), 100 * trial + rank, (1.0, 2.0), "cuda"))
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         _, (o_ref,) = all_gather_scaled_matmul(a_static, [b], s_static, [b_scale], 0, g, strategy="serial")
         assert torch.equal(o, o_ref)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from asynctp.ops.pipeline import gather_and_consume, produce_and_reduce_scatter
+from asynctp.ops.reference import divide_for_avg
 from asynctp.ops.validate import REDUCE_OPS, check_dim, check_tensor
 from asynctp.symm import get_workspace, resolve_group
 
@@ -100,8 +101,7 @@ def _reduce_scatter_op(x, scatter_dim, group_name, reduce_op):
     if ws is None:
         out = rows.new_empty((m, rows.shape[1]))
         dist.reduce_scatter_tensor(out, rows, op=dist.ReduceOp.SUM, group=pg)
-        if reduce_op == "avg":
-            out.div_(world)
+        divide_for_avg(out, reduce_op, world)
     else:
         ws.op = "reduce_scatter"
 

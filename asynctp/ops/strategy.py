@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from asynctp.ops.tuning import pick, ring_pays
 from asynctp.symm import Workspace, get_workspace
 
 __all__ = ["choose", "eager_call_ok"]
@@ -27,34 +28,18 @@ def eager_call_ok(*tensors: torch.Tensor | None) -> bool:
 
 
 def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple) -> tuple[str, Workspace | None]:
-    """(strategy to run, workspace or None). Without a workspace (warned once by get_workspace),
-    "auto" overlaps over the send/recv ring where that pays and runs serially elsewhere."""
+    """(strategy to run, workspace or None). "auto" asks the tuning table first, so a shape it
+    keeps serial costs no more host time than strategy="serial" (small calls are host-bound).
+    Without a workspace (warned once by get_workspace), "auto" overlaps over the send/recv ring
+    where that pays and runs serially elsewhere."""
     if strategy in ("serial", "ring"):
         return strategy, None
+    requested = strategy
     if strategy == "auto":
-        # host time is what host-bound (small) calls are made of: a memoized "serial" answer
-        # costs auto one dict lookup more than strategy="serial"
-        memo = _serial_memo.get((op, group.group_name, device, shape_key))
-        if memo is not None and memo == _tuning_epoch():
+        strategy = pick(op, group.size(), device, shape_key)
+        if strategy == "serial":
             return "serial", None
     ws = get_workspace(group, device)
     if ws is None:
-        from asynctp.ops.tuning import ring_pays
-
-        return ("ring" if strategy == "auto" and ring_pays(device, shape_key) else "serial"), None
-    if strategy == "auto":
-        from asynctp.ops.tuning import pick
-
-        strategy = pick(op, ws, device, shape_key)
-        if strategy == "serial":
-            _serial_memo[(op, group.group_name, device, shape_key)] = _tuning_epoch()
+        return ("ring" if requested == "auto" and ring_pays(device, shape_key) else "serial"), None
     return strategy, ws
-
-
-_serial_memo: dict[tuple, int] = {}
-
-
-def _tuning_epoch() -> int:
-    from asynctp.ops import tuning
-
-    return tuning.epoch

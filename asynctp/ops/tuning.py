@@ -27,7 +27,6 @@ _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experimen
 _MIN_PIPELINE_FLOP = 2 * 4096 * 3584 * 8192
 _table: dict[str, str] | None = None
 _picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
-epoch = 0  # bumped when the table changes: memoized choices elsewhere compare against it
 
 
 def cache_path() -> Path:
@@ -73,10 +72,8 @@ def _key(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
 def record(op: str, world_size: int, device: torch.device, shape_key: tuple, strategy: str) -> None:
     """Remember the measured best strategy for a shape (written through to the cache file)."""
     key = _key(op, world_size, device, shape_key)
-    global epoch
     load()[key] = strategy
     _picked.clear()
-    epoch += 1
     path = cache_path()
     try:
         own = json.loads(path.read_text())
@@ -89,14 +86,14 @@ def record(op: str, world_size: int, device: torch.device, shape_key: tuple, str
     os.replace(tmp, path)
 
 
-def pick(op: str, ws, device: torch.device, shape_key: tuple) -> str:
+def pick(op: str, world_size: int, device: torch.device, shape_key: tuple) -> str:
     """shape_key = (dtype, M, N, K) of the full (gathered / unscattered) matmul."""
     if device.type != "cuda":
         return "pipeline"  # the cpu backend exists to run the pipeline; CI exercises it via auto
-    memo = (op, ws.world_size, device, shape_key)
+    memo = (op, world_size, device, shape_key)
     choice = _picked.get(memo)
     if choice is None:
-        choice = load().get(_key(op, ws.world_size, device, shape_key))
+        choice = load().get(_key(op, world_size, device, shape_key))
         if choice is None:
             choice = _rule(op, shape_key)
         _picked[memo] = choice
