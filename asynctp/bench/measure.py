@@ -29,6 +29,7 @@ from asynctp.bench import report
 from asynctp.bench.cases import CASES, OpCase, Problem
 from asynctp.bench.report import AUTO, AUTO_GRAPH, COMM, COMPUTE, SERIAL, SERIAL_PAIRED, TORCH, TORCH_GRAPH
 from asynctp.bench.shapes import Shape, shapes_for
+from asynctp.symm.rendezvous import exchange
 from asynctp.bench.timing import capture_graph, paired_us, synchronize, time_us
 
 __all__ = ["BenchConfig", "DTYPES", "pipelined_strategies", "variant", "environment", "measure_shape", "run_benchmark"]
@@ -107,8 +108,7 @@ def _describe(exc: BaseException, limit: int = 240) -> str:
 
 def _agree(group: dist.ProcessGroup, problem: str | None) -> str | None:
     """Every rank learns whether any rank failed (the first failing rank's message)."""
-    everyone: list[Any] = [None] * group.size()
-    dist.all_gather_object(everyone, problem, group=group)
+    everyone = exchange(group, "asynctp bench", problem)  # the store: no numpy needed
     for rank, p in enumerate(everyone):
         if p is not None:
             return f"rank {rank}: {p}"
@@ -195,10 +195,9 @@ def _tune(row: _Row, strategies: list[str], world_size: int) -> str:
     serial = row.times.get(variant("serial"), float("inf"))
     fastest = min(strategies, key=lambda s: row.times.get(variant(s), float("inf")), default=None)
     wins = fastest is not None and row.times.get(variant(fastest), float("inf")) < serial * (1 - TUNE_MARGIN)
-    best = [fastest if wins else "serial"]
-    dist.broadcast_object_list(best, src=dist.get_global_rank(row.group, 0), group=row.group)
-    tuning.record(row.problem.op, world_size, row.device, row.problem.shape_key, best[0])
-    return best[0]
+    best = exchange(row.group, "asynctp bench --tune", fastest if wins else "serial")[0]  # rank 0 decides
+    tuning.record(row.problem.op, world_size, row.device, row.problem.shape_key, best)
+    return best
 
 
 def _auto_choice(problem: Problem, group: dist.ProcessGroup, device: torch.device) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asynctp.symm.rendezvous import exchange
+
 __all__ = ["enabled", "preflight"]
 
 _CONSISTENCY_ENV = "ASYNCTP_CHECK_CONSISTENCY"
@@ -48,8 +50,9 @@ def preflight(op: str, group: dist.ProcessGroup, meta: dict[str, Any], inputs: l
         for i, t in enumerate(inputs):
             if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 bad_inputs.append(i)
-    everyone: list[Any] = [None] * group.size()
-    dist.all_gather_object(everyone, (op, described, bad_inputs), group=group)
+    # through the group's store: no numpy (torch's *_object collectives need it), and a rank
+    # that never makes the call is named in a timeout instead of hanging the others
+    everyone = exchange(group, op, (op, described, bad_inputs))
     nonfinite = [rank for rank, (_, _, bad) in enumerate(everyone) if bad]
     if nonfinite:
         detail = "; ".join(f"rank {r}: inputs {everyone[r][2]}" for r in nonfinite)
