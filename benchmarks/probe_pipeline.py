@@ -19,6 +19,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 SPLITS = [int(s) for s in os.environ.get("PROBE_SPLITS", "1,2,4").split(",")]
 MS = [int(s) for s in os.environ.get("PROBE_M", "2048,4096,8192").split(",")]
+# SM carve-outs to try (ASYNCTP_SM_CARVEOUT) for the default pipeline plan and the ring
+RING_SPLITS = [int(s) for s in os.environ.get("PROBE_RING_SPLITS", "1").split(",")]
+CARVEOUTS = [int(s) for s in os.environ.get("PROBE_CARVEOUT", "").split(",") if s]
 
 
 def timeit(fn, iters=30, warmup=5):
@@ -38,15 +41,39 @@ def timeit(fn, iters=30, warmup=5):
     return round(t.item(), 1)
 
 
-def with_splits(sp, fn):
+def with_env(name, value, fn):
+    """fn, called with os.environ[name] = value for the duration of each call."""
     def call():
-        os.environ["ASYNCTP_SPLITS"] = str(sp)
+        os.environ[name] = str(value)
         try:
             return fn()
         finally:
-            os.environ.pop("ASYNCTP_SPLITS", None)
+            os.environ.pop(name, None)
 
     return call
+
+
+def with_carveout(c, fn):
+    return with_env("ASYNCTP_SM_CARVEOUT", c, fn)
+
+
+def with_splits(sp, fn):
+    return with_env("ASYNCTP_SPLITS", sp, fn)
+
+
+def sweep_carveouts(r, mm, pipe, ring):
+    """mm (under the carve-out), default-plan pipeline and ring per carve-out value."""
+    from asynctp.ops.carveout import sm_carveout
+
+    for c in CARVEOUTS:
+        def mm_under_carveout():
+            with sm_carveout(torch.device("cuda"), "pipeline"):
+                return mm()
+
+        r[f"mm_co{c}"] = timeit(with_carveout(c, mm_under_carveout))
+        r[f"pipe_co{c}"] = timeit(with_carveout(c, pipe))
+        for rs in RING_SPLITS:
+            r[f"ring_co{c}_s{rs}"] = timeit(with_env("ASYNCTP_RING_SPLITS", rs, with_carveout(c, ring)))
 
 
 def probe_shape(M, g, rank, ws):
@@ -71,6 +98,9 @@ def probe_shape(M, g, rank, ws):
         torch.testing.assert_close(got[1][0], ref[1][0], rtol=2e-2, atol=2e-2)
         r[f"pipe{sp}"] = timeit(call)
     r["ring"] = timeit(lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="ring"))
+    sweep_carveouts(r, lambda: torch.mm(a_full, b),
+                    lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="pipeline"),
+                    lambda: asynctp.all_gather_matmul(a_shard, [b], 0, g, strategy="ring"))
     try:
         r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, gn))
     except Exception as e:  # noqa: BLE001
@@ -88,6 +118,9 @@ def probe_shape(M, g, rank, ws):
         torch.testing.assert_close(call(), ref, rtol=2e-2, atol=5e-2)
         r[f"pipe{sp}"] = timeit(call)
     r["ring"] = timeit(lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="ring"))
+    sweep_carveouts(r, lambda: torch.mm(a2, b2),
+                    lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="pipeline"),
+                    lambda: asynctp.matmul_reduce_scatter(a2, b2, 0, g, strategy="ring"))
     try:
         r["torch"] = timeit(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a2, b2, "sum", 0, gn))
     except Exception as e:  # noqa: BLE001
@@ -173,7 +206,8 @@ def main(rank, ws, out, do_profile):
         sm.enable_symm_mem_for_group(g.group_name)
     except Exception as e:  # noqa: BLE001
         print("enable_symm_mem_for_group:", e)
-    host_overhead(g, rank)
+    if not os.environ.get("PROBE_NO_HOST"):
+        host_overhead(g, rank)
     rows = []
     for M in MS:
         rows += probe_shape(M, g, rank, ws)

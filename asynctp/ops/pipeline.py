@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from asynctp.ops.carveout import sm_carveout
 from asynctp.symm import Workspace
 
 __all__ = ["gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
@@ -64,6 +65,11 @@ def gather_and_consume(
     shard (row_lo 0), then each peer's row blocks. consume must only read its blocks; with
     alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
     lockstep: the local consume waits for the opening barrier (see below)."""
+    with sm_carveout(ws.device, "pipeline"):
+        _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+
+
+def _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep) -> None:
     rank, world = ws.rank, ws.world_size
     m = shards[0].shape[0]
     offsets, total = [], 0
@@ -120,6 +126,11 @@ def produce_and_reduce_scatter(
     rank's partial for rows lo:hi of dst_rank's chunk into out ([hi - lo, n]); when acc is given
     it must write acc + partial instead (one rounding: the GEMM epilogue). Returns this rank's
     reduced chunk, a fresh [m, n] tensor."""
+    with sm_carveout(ws.device, "pipeline"):
+        return _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits)
+
+
+def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits) -> torch.Tensor:
     rank, world = ws.rank, ws.world_size
     m, n = chunk_shape
     chunk_bytes = _aligned(m * n * dtype.itemsize)

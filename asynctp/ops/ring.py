@@ -1,28 +1,45 @@
 """Overlap without peer memory: the pipelines as a ring of point-to-point sends and receives
-(NCCL or gloo, batched isend/irecv on a side stream), one chunk ahead of the compute.
+(NCCL or gloo, batched isend/irecv on a side stream), in row blocks, ahead of the compute.
 
 All-gather (rank r, step s = 1 .. R-1): pass on the chunk received last step (first: r's own)
-to r+1 and receive chunk r-s from r-1, while the chunk received last step is consumed.
+to r+1 and receive chunk r-s from r-1, block by block; each block is consumed once it arrived.
 
 Reduce-scatter (ring of partial sums, step s = 0 .. R-1, chunk c_s = r-s-1): compute this
 rank's partial of c_s; from step 1 on add the running sum received from r-1; send it to r+1,
-except at the last step, where c = r and the sum is the result. The next partial is computed
-while the current sum travels. Sums travel in the output dtype (rounded at each hop, like
+except at the last step, where c = r and the sum is the result. Block by block: a block's
+partial travels while the next block is computed. Sums travel in the output dtype (rounded at each hop, like
 NCCL's ring), so with bf16 and more than 2 ranks results differ from serial by rounding.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from asynctp.ops.carveout import sm_carveout
+from asynctp.ops.pipeline import row_blocks
 from asynctp.symm import Lanes
 
 __all__ = ["ring_gather_and_consume", "ring_produce_and_reduce_scatter"]
 
 _lanes: dict[str, Lanes] = {}
+_SPLITS_ENV = "ASYNCTP_RING_SPLITS"
+
+
+def ring_splits(rows: int, device: torch.device) -> int:
+    """Row blocks per chunk: each block's send/receive is its own NCCL call, so the matmul of a
+    block starts as soon as it has arrived (and, for reduce-scatter, a block's partial travels
+    while the next is computed). Measured on 2xH200 with peer access off (benchmarks/
+    probe_pipeline.py, NCCL_P2P_DISABLE=1): see the defaults below."""
+    env = os.environ.get(_SPLITS_ENV)
+    if env:
+        return max(1, int(env))
+    if device.type != "cuda":
+        return 2 if rows >= 2 else 1  # CI covers the block path
+    return 4 if rows >= 2048 else (2 if rows >= 512 else 1)
 
 
 def _lanes_for(device: torch.device) -> Lanes:
@@ -49,24 +66,36 @@ def ring_gather_and_consume(
 ) -> None:
     """gathered ([R * m, ...]) receives every rank's shard ([m, ...]) in rank order; consume(src,
     0, [chunk]) runs as each chunk arrives (same contract as pipeline.gather_and_consume)."""
+    with sm_carveout(shard.device, "ring"):
+        _ring_gather(group, shard, gathered, consume)
+
+
+def _ring_gather(group, shard, gathered, consume) -> None:
     rank, world = group.rank(), group.size()
     m = shard.shape[0]
     lanes = _lanes_for(shard.device)
+    blocks = row_blocks(m, ring_splits(m, shard.device))
 
     def chunk(i: int) -> torch.Tensor:
         return gathered[i * m : (i + 1) * m]
 
     lanes.fork()
+    # Every send/receive is queued on the copy stream up front, block by block and step by step
+    # (a step forwards what the one before brought), and before the local matmul: NCCL's
+    # kernels then hold their SMs before a persistent GEMM takes the rest.
+    arrived = []
     with lanes.copy():
+        for step in range(1, world):
+            src = (rank - step) % world
+            send = shard if step == 1 else chunk((rank - step + 1) % world)
+            for lo, hi in blocks:
+                _exchange(send[lo:hi], chunk(src)[lo:hi], rank, world, group)
+                arrived.append((src, lo, hi, lanes.mark()))
         chunk(rank).copy_(shard)
     consume(rank, 0, [shard])
-    for step in range(1, world):
-        src = (rank - step) % world
-        with lanes.copy():
-            _exchange(chunk((rank - step + 1) % world), chunk(src), rank, world, group)
-            arrived = lanes.mark()
-        lanes.wait(arrived)
-        consume(src, 0, [chunk(src)])
+    for src, lo, hi, event in arrived:
+        lanes.wait(event)
+        consume(src, lo, [chunk(src)[lo:hi]])
     lanes.join()
 
 
@@ -80,29 +109,36 @@ def ring_produce_and_reduce_scatter(
 ) -> torch.Tensor:
     """This rank's reduced chunk (fresh [m, n]); produce as in pipeline.produce_and_reduce_scatter
     (called with acc=None only)."""
+    with sm_carveout(device, "ring"):
+        return _ring_reduce_scatter(group, produce, chunk_shape, dtype, device, reduce_op)
+
+
+def _ring_reduce_scatter(group, produce, chunk_shape, dtype, device, reduce_op) -> torch.Tensor:
     rank, world = group.rank(), group.size()
     m = chunk_shape[0]
     lanes = _lanes_for(device)
+    blocks = row_blocks(m, ring_splits(m, device))
     bufs = torch.empty((3, *chunk_shape), dtype=dtype, device=device)  # partial, sum out, sum in
     out = torch.empty(chunk_shape, dtype=dtype, device=device)
     lanes.fork()
-    sent = received = None
+    done: list = [None] * len(blocks)  # per block: its last send/receive has completed
     for step in range(world):
         c = (rank - step - 1) % world
         partial = bufs[0] if step < world - 1 else out
-        produce(c, 0, m, partial, None)  # overlaps the previous step's send/receive
-        if step > 0:
-            lanes.wait(received)
-            partial.add_(bufs[2])
-        if step < world - 1:
-            if sent is not None:
-                lanes.wait(sent)  # the previous send is done reading bufs[1]
-            bufs[1].copy_(partial)
-            ready = lanes.mark()
-            with lanes.copy():
-                lanes.wait(ready)
-                _exchange(bufs[1], bufs[2], rank, world, group)
-                received = sent = lanes.mark()
+        for b, (lo, hi) in enumerate(blocks):
+            produce(c, lo, hi, partial[lo:hi], None)  # overlaps the sends/receives queued before
+            if step > 0:
+                lanes.wait(done[b])
+                partial[lo:hi].add_(bufs[2][lo:hi])
+            if step < world - 1:
+                if done[b] is not None:
+                    lanes.wait(done[b])  # the previous send is done reading bufs[1]
+                bufs[1][lo:hi].copy_(partial[lo:hi])
+                ready = lanes.mark()
+                with lanes.copy():
+                    lanes.wait(ready)
+                    _exchange(bufs[1][lo:hi], bufs[2][lo:hi], rank, world, group)
+                    done[b] = lanes.mark()
     if reduce_op == "avg":
         out.div_(world)
     lanes.join()

@@ -1,0 +1,62 @@
+"""SM carve-out for the matmuls of a pipelined call.
+
+cuBLAS's large GEMMs on Hopper are persistent: one block per SM, resident until the GEMM ends.
+Any kernel queued behind one on another stream (torch's barrier and signal kernels, NCCL's
+send/recv kernels of the ring) waits for the whole GEMM, and the overlap that the pipeline was
+built for does not happen. While a pipelined call issues its matmuls, asynctp asks cuBLAS(Lt)
+to target `SMs - n` SMs (torch's experimental SM carve-out, honoured by the cuBLASLt path, which
+is selected for the duration), so those kernels start at once on the SMs left free.
+
+`ASYNCTP_SM_CARVEOUT=n` overrides the default of each strategy (0 turns it off). The previous
+carve-out and BLAS backend are restored when the call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["sm_carveout", "carveout_for"]
+
+_ENV = "ASYNCTP_SM_CARVEOUT"
+# SMs left free per strategy, measured on 2xH200 (benchmarks/probe_pipeline.py, PROBE_CARVEOUT,
+# M 4096 and 8192, N 3584, K 8192): the pipeline's barrier/signal kernels gained nothing from
+# it (the GEMMs lost 3-10% to it at 4-16 SMs), the ring's NCCL kernels gained 3-8% over NVLink
+# and 9-22% with peer access off at 16 SMs.
+_DEFAULTS = {"pipeline": 0, "ring": 16}
+
+
+def carveout_for(strategy: str) -> int:
+    env = os.environ.get(_ENV)
+    if env:
+        return max(0, int(env))
+    return _DEFAULTS.get(strategy, 0)
+
+
+_get = getattr(torch._C, "_get_sm_carveout_experimental", None)
+_set = getattr(torch._C, "_set_sm_carveout_experimental", None)
+
+
+@contextlib.contextmanager
+def sm_carveout(device: torch.device, strategy: str) -> Iterator[None]:
+    """GEMMs launched inside leave carveout_for(strategy) SMs free (CUDA only; a no-op elsewhere,
+    when the carve-out is 0, or on a torch without the setting)."""
+    n = carveout_for(strategy) if device.type == "cuda" else 0
+    if n <= 0 or _set is None:
+        yield
+        return
+    prev_n = _get()
+    prev_lib = torch._C._get_blas_preferred_backend()
+    lt = torch._C._BlasBackend.Cublaslt
+    _set(n)
+    if prev_lib != lt:
+        torch._C._set_blas_preferred_backend(lt)
+    try:
+        yield
+    finally:
+        _set(prev_n)
+        if prev_lib != lt:
+            torch._C._set_blas_preferred_backend(prev_lib)

@@ -1,0 +1,39 @@
+"""The SM carve-out setting: defaults per strategy, the environment override, and that the
+context restores torch's global state (CUDA) or does nothing (CPU)."""
+
+import pytest
+import torch
+
+from asynctp.ops import carveout
+from asynctp.ops.carveout import carveout_for, sm_carveout
+
+
+def test_defaults_and_override(monkeypatch):
+    monkeypatch.delenv("ASYNCTP_SM_CARVEOUT", raising=False)
+    assert carveout_for("pipeline") == carveout._DEFAULTS["pipeline"]
+    assert carveout_for("ring") == carveout._DEFAULTS["ring"]
+    assert carveout_for("serial") == 0
+    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "7")
+    assert carveout_for("pipeline") == 7 and carveout_for("ring") == 7
+    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "-3")
+    assert carveout_for("ring") == 0
+
+
+def test_cpu_is_a_no_op(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "16")
+    before = torch._C._get_sm_carveout_experimental()
+    with sm_carveout(torch.device("cpu"), "ring"):
+        assert torch._C._get_sm_carveout_experimental() == before
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sets_and_restores(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "16")
+    before = torch._C._get_sm_carveout_experimental(), torch._C._get_blas_preferred_backend()
+    with pytest.raises(RuntimeError, match="inside"):
+        with sm_carveout(torch.device("cuda"), "ring"):
+            assert torch._C._get_sm_carveout_experimental() == 16
+            assert torch._C._get_blas_preferred_backend() == torch._C._BlasBackend.Cublaslt
+            raise RuntimeError("inside")
+    assert (torch._C._get_sm_carveout_experimental(), torch._C._get_blas_preferred_backend()) == before
