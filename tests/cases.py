@@ -147,6 +147,7 @@ def bad_inputs(device: str) -> list[str]:
     g = dist.group.WORLD
     a = ints((6, 8), rank, torch.float32, device)
     b = ints((8, 6), 7, torch.float32, device)
+    a_rs = ints((2 * ws, 8), rank, torch.float32, device)  # rows divisible by R for the scatter checks
     cases = [
         (TypeError, "a_shard requires a torch.Tensor", lambda: asynctp.all_gather_matmul([1.0], [b], 0, g)),
         (TypeError, "dtype torch.float32", lambda: asynctp.all_gather_matmul(a, [b.bfloat16()], 0, g)),
@@ -163,9 +164,9 @@ def bad_inputs(device: str) -> list[str]:
         (ValueError, "shape[0] == K = 8", lambda: asynctp.matmul_reduce_scatter(a, b.t(), 0, g)),
         (ValueError, "scatter_dim requires a dim", lambda: asynctp.matmul_reduce_scatter(a, b, -3, g)),
         (ValueError, f"divisible by the world size {ws}", lambda: asynctp.matmul_reduce_scatter(a[: ws + 1], b, 0, g)),
-        (ValueError, "reduce_op requires one of", lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, reduce_op="max")),
-        (TypeError, "ProcessGroup or its name", lambda: asynctp.matmul_reduce_scatter(a, b, 0, None)),
-        (ValueError, "requires shape (6,)", lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, bias=b[0, :3])),
+        (ValueError, "reduce_op requires one of", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, g, reduce_op="max")),
+        (TypeError, "ProcessGroup or its name", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, None)),
+        (ValueError, "requires shape (6,)", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, g, bias=b[0, :3])),
     ]
     if device == "cuda":
         cases.append((ValueError, "requires device", lambda: asynctp.all_gather_matmul(a, [b.cpu()], 0, g)))
@@ -217,6 +218,7 @@ def opcheck_ops(device: str) -> None:
     a = ints((4, 8), rank, torch.float32, device)
     b = ints((8, 6), 7, torch.float32, device)
     torch.library.opcheck(torch.ops.asynctp.all_gather_matmul.default, (a, [b], 0, g, True, [None], "pipeline"))
+    b = ints((8, 2 * ws), 7, torch.float32, device)  # N divisible by R for the scatter on the last dim
     b_k = ints((4 * ws, 6), 8, torch.float32, device)  # gather along K: K = R * 4
     torch.library.opcheck(torch.ops.asynctp.all_gather_matmul.default, (a[:, :4], [b_k], 1, g, False, [None], "pipeline"))
     a3 = ints((2 * ws, 3, 8), rank, torch.float32, device)

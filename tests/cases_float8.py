@@ -289,7 +289,8 @@ def bad_inputs(device: str) -> list[str]:
     s = torch.ones((), device=device)
     s_row = torch.ones((4, 1), device=device)
     s_col = torch.ones((1, 16), device=device)
-    a6 = fp8_ints((6, 16), rank, E4M3, device)  # 6 rows: divisible by R = 2 and 3
+    m = 6 if ws in (2, 3) else 2 * ws  # rows of the reduce-scatter input: divisible by R
+    a6 = fp8_ints((m, 16), rank, E4M3, device)
     ag, rs = all_gather_scaled_matmul, scaled_matmul_reduce_scatter
     cases = [
         (TypeError, "a_shard requires a float8 dtype", lambda: ag(a.float(), [b], s, [s], 0, g)),
@@ -314,7 +315,7 @@ def bad_inputs(device: str) -> list[str]:
         (ValueError, "strategy requires one of", lambda: ag(a, [b], s, [s], 0, g, strategy="fast")),
         (TypeError, "ProcessGroup or its name", lambda: ag(a, [b], s, [s], 0, 3)),
         (TypeError, "a requires a float8 dtype", lambda: rs(a6.bfloat16(), b, s, s, 0, g)),
-        (ValueError, "a_scale requires numel 1 (tensorwise) or shape (6, 1)", lambda: rs(a6, b, s_row[:2], s, 0, g)),
+        (ValueError, f"a_scale requires numel 1 (tensorwise) or shape ({m}, 1)", lambda: rs(a6, b, s_row[:2], s, 0, g)),
         (ValueError, "b_scale requires numel 1 (tensorwise) or shape (1, 16)", lambda: rs(a6, b, s, s_col[:, :8], 0, g)),
         (TypeError, "b_scale requires dtype torch.float32", lambda: rs(a6, b, s, s_col.half(), 0, g)),
         (ValueError, "shape[0] == K = 16", lambda: rs(a6, b[:8], s, s, 0, g)),
@@ -334,7 +335,7 @@ def bad_inputs(device: str) -> list[str]:
     # the group still works, for both ops
     a_g, (o,) = ag(a, [b], s, [s], 0, g)
     assert same_bytes(a_g, cat8([fp8_ints((4, 16), r, E4M3, device) for r in range(ws)]))
-    assert rs(a6, b, s, s, 0, g).shape == (6 // ws, 16)
+    assert rs(a6, b, s, s, 0, g).shape == (m // ws, 16)
     return messages
 
 
@@ -549,4 +550,7 @@ def cuda_graph_capture() -> None:
         _, (o_ref,) = all_gather_scaled_matmul(a_static, [b], s_static, [b_scale], 0, g, strategy="serial")
         assert torch.equal(o, o_ref)
         r_ref = scaled_matmul_reduce_scatter(o_fp8, b2_shard, one, one, 0, g, strategy="serial")
-        torch.testing.assert_close(r, r_ref, rtol=1e-2, atol=0)
+        if ws == 2:  # one bf16 addition of two partials: the same in either order
+            torch.testing.assert_close(r, r_ref, rtol=1e-2, atol=0)
+        else:  # more partials are summed in another order than the serial reduce-scatter's
+            assert sqnr(r_ref, r) > 40, f"replayed reduce-scatter SQNR {sqnr(r_ref, r):.1f} dB"
