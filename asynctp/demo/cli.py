@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--torch-async-tp", action="store_true",
                         help="add a third run: vanilla TP compiled with inductor's own async-TP pass (GPU only)")
+    parser.add_argument("--control", action="store_true",
+                        help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
     parser.add_argument("--regather-input", action="store_true",
@@ -88,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"asynctp demo: --steps requires a positive number, got {settings.steps}", file=sys.stderr)
         return 2
     variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]] + ([VARIANTS["torch-async-tp"]] if args.torch_async_tp else [])
+    variants += [VARIANTS["control"]] if args.control else []
     print(f"asynctp demo: model {model_name} ({cfg.num_params() / 1e6:.1f}M params), {world} ranks over "
           f"{backend} on {device_type}, {settings.steps} steps, {str(settings.dtype).removeprefix('torch.')}"
           + (f", float8 {settings.float8}" if settings.float8 else "") + (", compiled" if settings.compile else ""))
@@ -206,6 +209,10 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
     print(table(runs))
     compared = {r["name"]: comparison(runs[0], r) for r in runs[1:]}
     for name, c in compared.items():
+        if "1-ulp" in name:  # the control: only its loss curve means anything
+            print(f"{name} vs {runs[0]['name']} (control: rounding alone): loss curves max rel diff "
+                  f"{c['max_rel_loss_diff']:.2e}")
+            continue
         line = f"{name} vs {runs[0]['name']}: speed-up {c['speedup']:.2f}x, loss curves max rel diff {c['max_rel_loss_diff']:.2e}"
         if "recovered_fraction_of_exposed_comm" in c:
             line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of vanilla's "

@@ -26,12 +26,17 @@ class Variant:
     name: str  # shown in the table and the JSON
     asynchronous: bool  # asynctp's styles (else torch's)
     torch_async_tp: bool = False  # torch.compile with inductor's own async-TP (micro-pipeline) pass
+    # a control: one initial weight moved by one unit in the last place, nothing else changed.
+    # How far its loss curve strays from the unperturbed one is what rounding alone does to a
+    # training run, the yardstick for the gap between vanilla TP and asynctp
+    perturb_init: bool = False
 
 
 VARIANTS = {
     "vanilla": Variant("vanilla TP", asynchronous=False),
     "asynctp": Variant("asynctp", asynchronous=True),
     "torch-async-tp": Variant("torch async TP (compiled)", asynchronous=False, torch_async_tp=True),
+    "control": Variant("vanilla TP, 1-ulp init change", asynchronous=False, perturb_init=True),
 }
 
 
@@ -104,6 +109,8 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     with device:
         model = Transformer(settings.cfg)
     model.to(settings.dtype)
+    if variant.perturb_init:
+        _nudge_one_weight(model)
     float8 = settings.float8 if variant.asynchronous else None
     save = settings.save_gathered_input and float8 is None
     parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous,
@@ -113,6 +120,15 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     if settings.compile or variant.torch_async_tp:
         model = torch.compile(model)
     return model
+
+
+@torch.no_grad()
+def _nudge_one_weight(model: torch.nn.Module) -> None:
+    """Change the first element of the first 2-D weight by one unit in the last place (every rank
+    holds the full unsharded model here, so all make the same change)."""
+    w = next(p for p in model.parameters() if p.dim() == 2)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
+    w.view(-1)[:1].view(bits).add_(1)
 
 
 def _enable_torch_async_tp(mesh: DeviceMesh) -> None:

@@ -146,3 +146,19 @@ def test_profile_steps_runs_without_gpu_kernels():
     if not torch.cuda.is_available():
         assert out["comm_ms"] == out["exposed_comm_ms"] == 0.0
         assert out["top_comm_kernels_ms"] == {}
+
+
+def test_control_nudges_one_weight_by_one_ulp():
+    from asynctp.demo.train import _nudge_one_weight
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4)).to(dtype)
+        before = model[0].weight.detach().clone()
+        _nudge_one_weight(model)
+        after = model[0].weight.detach()
+        changed = (after != before).nonzero().tolist()
+        assert changed == [[0, 0]]
+        x, y = before[0, 0].float(), after[0, 0].float()
+        step = torch.finfo(dtype).eps * x.abs()  # one ulp is eps * 2^exponent: within a factor 2
+        assert step / 2 <= (y - x).abs() <= step * 2
