@@ -146,3 +146,35 @@ def ops_on_two_streams() -> None:
         assert torch.equal(o, (full.double() @ b.double()).bfloat16())
         ref = ((full.double() @ b.double()) * ws).chunk(ws)[rank].bfloat16()
         assert torch.equal(r, ref)
+
+
+def peer_skips_op_cuda(op: str) -> str:
+    """cuda backend: the last rank skips the op; the others' device-side wait times out and
+    traps. Before it does, asynctp's watchdog must log a line naming the op, the rank and the
+    wait. Returns what the watchdog logged (never synchronizes: the context is lost after the
+    trap, and the test throws this pool away)."""
+    import logging
+
+    rank, ws = world()
+    asynctp.set_timeout(3)
+    a = ints((4 * ws, 8), rank, torch.float32, "cuda")
+    b = ints((8, 6), 1, torch.float32, "cuda")
+    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")  # workspace exists
+    torch.cuda.synchronize()
+    if rank == ws - 1:
+        return "skipped"
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("asynctp").addHandler(Keep())
+    if op == "ag":
+        asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+    else:
+        asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline")
+    deadline = time.monotonic() + 3 + 5
+    while not logged and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return logged[0] if logged else "nothing logged"

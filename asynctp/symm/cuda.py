@@ -13,6 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from asynctp.symm import watchdog
 from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Workspace
 
@@ -40,7 +41,9 @@ class CudaWorkspace(Workspace):
         self._tensor: torch.Tensor | None = None
         self._handle = None
         self._bufs: list[torch.Tensor] = []
+        self.pending: watchdog.Pending | None = None  # the last wait enqueued (see watchdog.py)
         self._grow(1 << 20)
+        watchdog.watch(self)
 
     def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -62,11 +65,20 @@ class CudaWorkspace(Workspace):
     def _ms(self, timeout: float | None) -> int:
         return int(self._timeout(timeout) * 1000)
 
+    def _watch(self, what: str, peer: int | None, seconds: float) -> None:
+        # waits recorded into a CUDA graph run at replay, unseen by the host: not watched
+        if not torch.cuda.is_current_stream_capturing():
+            self.pending = watchdog.Pending(self.op, what, peer, seconds)
+
     def barrier(self, channel: int = 0, timeout: float | None = None) -> None:
-        self._handle.barrier(channel=channel, timeout_ms=self._ms(timeout))
+        seconds = self._timeout(timeout)
+        self._watch(f"barrier channel {channel}", None, seconds)
+        self._handle.barrier(channel=channel, timeout_ms=int(seconds * 1000))
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._ms(None))
 
     def wait_signal(self, src_rank: int, channel: int = 0, timeout: float | None = None) -> None:
-        self._handle.wait_signal(src_rank, channel=channel, timeout_ms=self._ms(timeout))
+        seconds = self._timeout(timeout)
+        self._watch(f"signal channel {channel}", src_rank, seconds)
+        self._handle.wait_signal(src_rank, channel=channel, timeout_ms=int(seconds * 1000))

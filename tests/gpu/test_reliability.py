@@ -1,11 +1,16 @@
 """Reliability on the cuda backend: a 10,000-call soak with random ops, shapes, dims and dtypes
 checked against the reference; mismatched calls and NaN inputs with the checks on; two groups.
-(Fault injection runs on the cpu backend only: a timeout inside a CUDA signal kernel traps and
-takes the process's CUDA context down, which a test pool cannot recover from.)"""
+Fault injection: a timeout inside a CUDA signal kernel traps and takes the process's CUDA context
+down, so the error that surfaces names nothing; the test checks that asynctp's watchdog logged
+the op, rank and wait first (each such test uses a pool of its own and throws it away)."""
 
 import os
 
+import pytest
+
 from tests import cases, cases_reliability
+from tests.gpu.conftest import NUM_GPUS
+from tests.multiprocess import RankPool
 
 DEVICE = "cuda"
 SOAK_CALLS = int(os.environ.get("ASYNCTP_SOAK_CALLS", "10000"))
@@ -31,3 +36,17 @@ def test_two_groups_and_growth(pool):
 
 def test_ops_on_two_streams_are_serialized(pool):
     pool.run(cases_reliability.ops_on_two_streams)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_stuck_device_wait_is_named_before_the_trap(op):
+    pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
+    try:
+        outcomes = pool.run_outcomes(cases_reliability.peer_skips_op_cuda, op)
+    finally:
+        pool.close()
+    kind, message = outcomes[0]
+    assert kind == "ok", outcomes[0]
+    name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
+    for part in (f"asynctp {name}", "rank 0 of group", "the GPU has waited over 3 s", "ASYNCTP_TIMEOUT"):
+        assert part in message, (part, message)

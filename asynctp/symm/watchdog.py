@@ -1,0 +1,97 @@
+"""Names a stuck device-side wait before the device gives up on it.
+
+On the cuda backend a barrier or signal wait is a kernel that spins on the GPU; after the
+timeout it traps, which kills the CUDA context with an error that names nothing. Each wait
+records, on the host, what it waits for (op, kind, peer, channel, when it was issued); a daemon
+thread checks every workspace with a wait in flight and, once a wait is older than its timeout
+while the op's completion event has not fired, writes one line to stderr (and the log) naming the
+op, the rank, the peer and the signal, so the trap that follows has an explanation.
+
+Not covered: waits replayed from a captured CUDA graph (the host does not see them).
+Not yet run on a GPU (tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap
+was written for that); the logic is tested on fakes in tests/unit/test_watchdog.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+__all__ = ["Pending", "watch", "check"]
+
+log = logging.getLogger("asynctp")
+
+
+class Pending:
+    """One wait in flight: set by the workspace when it enqueues the wait."""
+
+    __slots__ = ("op", "what", "peer", "issued", "timeout")
+
+    def __init__(self, op: str, what: str, peer: int | None, timeout: float) -> None:
+        self.op, self.what, self.peer, self.timeout = op, what, peer, timeout
+        self.issued = time.monotonic()
+
+
+_watched: weakref.WeakSet = weakref.WeakSet()
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+
+
+def watch(ws: Any) -> None:
+    """Watch a workspace: it exposes `pending` (a Pending or None), `lanes._done` (an event with
+    query(), recorded when an op finished), `rank` and `group_name`."""
+    global _thread
+    with _lock:
+        _watched.add(ws)
+        if _thread is None:
+            _thread = threading.Thread(target=_run, name="asynctp-watchdog", daemon=True)
+            _thread.start()
+
+
+def check(ws: Any, now: float | None = None) -> str | None:
+    """The message for ws's stuck wait, if it has one (and forget that wait); None otherwise."""
+    p = ws.pending
+    if p is None:
+        return None
+    done = ws.lanes._done
+    if done is None:  # the last op was captured into a CUDA graph: nothing to go by, drop it
+        if ws.pending is p:
+            ws.pending = None
+        return None
+    try:
+        finished = done.query()
+    except Exception:  # noqa: BLE001  (after a device trap the context is gone)
+        finished = False
+    now = time.monotonic() if now is None else now
+    if finished and now - p.issued > 1.0:  # the op (or a later one) completed: nothing stuck
+        if ws.pending is p:
+            ws.pending = None
+        return None
+    if now - p.issued <= p.timeout:
+        return None
+    if ws.pending is p:
+        ws.pending = None
+    source = f"from rank {p.peer}" if p.peer is not None else "from every rank of the group"
+    hint = f"is rank {p.peer} alive" if p.peer is not None else "are all ranks alive"
+    return (
+        f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the GPU has waited over "
+        f"{p.timeout:g} s for {p.what} {source} (enqueued {now - p.issued:.0f} s ago); the "
+        f"device-side wait will now abort this process with a CUDA error. {hint.capitalize()} and "
+        f"running the same ops in the same order? (ASYNCTP_TIMEOUT sets the limit)"
+    )
+
+
+def _run() -> None:
+    while True:
+        time.sleep(0.5)
+        with _lock:
+            workspaces = list(_watched)
+        for ws in workspaces:
+            message = check(ws)
+            if message is not None:
+                log.error(message)
+                print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,48 @@
+"""The watchdog that names a stuck device-side wait (cuda backend) before the device traps."""
+
+from types import SimpleNamespace
+
+from asynctp.symm import watchdog
+
+
+class FakeEvent:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def fake_ws(done: bool, pending):
+    return SimpleNamespace(rank=1, group_name="tp", pending=pending, lanes=SimpleNamespace(_done=FakeEvent(done)))
+
+
+def test_a_wait_older_than_its_timeout_is_named_once():
+    p = watchdog.Pending("all_gather_matmul", "signal channel 2", 0, timeout=5.0)
+    ws = fake_ws(False, p)
+    assert watchdog.check(ws, now=p.issued + 4.0) is None  # not yet
+    message = watchdog.check(ws, now=p.issued + 6.0)
+    for part in ("all_gather_matmul", "rank 1", "'tp'", "signal channel 2", "from rank 0", "ASYNCTP_TIMEOUT"):
+        assert part in message, (part, message)
+    assert ws.pending is None and watchdog.check(ws, now=p.issued + 7.0) is None
+
+
+def test_a_barrier_names_the_group():
+    p = watchdog.Pending("matmul_reduce_scatter", "barrier channel 0", None, timeout=1.0)
+    message = watchdog.check(fake_ws(False, p), now=p.issued + 2.0)
+    assert "barrier channel 0 from every rank of the group" in message
+
+
+def test_a_finished_op_clears_its_wait():
+    p = watchdog.Pending("all_gather_matmul", "barrier channel 1", None, timeout=1.0)
+    ws = fake_ws(True, p)
+    assert watchdog.check(ws, now=p.issued + 5.0) is None
+    assert ws.pending is None
+
+
+def test_after_a_graph_capture_nothing_is_reported():
+    # a captured op leaves no completion event (Lanes.join): its waits run at replay, unseen
+    p = watchdog.Pending("all_gather_matmul", "barrier channel 0", None, timeout=1.0)
+    ws = fake_ws(False, p)
+    ws.lanes._done = None
+    assert watchdog.check(ws, now=p.issued + 2.0) is None and ws.pending is None
