@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--torch-async-tp", action="store_true",
                         help="add a third run: vanilla TP compiled with inductor's own async-TP pass (GPU only)")
+    parser.add_argument("--asynctp-pass", action="store_true",
+                        help="add a run: vanilla TP compiled with asynctp's FX pass (asynctp.compile), the compiled path "
+                             "for plans written with torch's styles; compare with --compile")
     parser.add_argument("--control", action="store_true",
                         help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
@@ -89,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
     if settings.steps < 1:
         print(f"asynctp demo: --steps requires a positive number, got {settings.steps}", file=sys.stderr)
         return 2
-    variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]] + ([VARIANTS["torch-async-tp"]] if args.torch_async_tp else [])
-    variants += [VARIANTS["control"]] if args.control else []
+    # torch's async-TP run goes last: it switches inductor's micro-pipeline pass on for the process
+    variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]]
+    variants += [VARIANTS[name] for name, on in (("control", args.control), ("asynctp-pass", args.asynctp_pass),
+                                                 ("torch-async-tp", args.torch_async_tp)) if on]
     print(f"asynctp demo: model {model_name} ({cfg.num_params() / 1e6:.1f}M params), {world} ranks over "
           f"{backend} on {device_type}, {settings.steps} steps, {str(settings.dtype).removeprefix('torch.')}"
           + (f", float8 {settings.float8}" if settings.float8 else "") + (", compiled" if settings.compile else ""))
@@ -218,6 +223,11 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
             line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of vanilla's "
                      f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")
         print(line)
+    for r in runs:
+        if r.get("fusion_report"):
+            print(f"{r['name']}: {r['fusion_report']}")
+    if any(r.get("fusion_report") for r in runs) and not settings.compile:
+        print("note: vanilla TP and asynctp ran eagerly; add --compile to compare compiled with compiled")
     if settings.float8:
         print(f"note: asynctp runs float8 {settings.float8}; vanilla TP runs {str(settings.dtype).removeprefix('torch.')}")
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")

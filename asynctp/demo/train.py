@@ -30,6 +30,7 @@ class Variant:
     # How far its loss curve strays from the unperturbed one is what rounding alone does to a
     # training run, the yardstick for the gap between vanilla TP and asynctp
     perturb_init: bool = False
+    asynctp_pass: bool = False  # torch.compile with asynctp's FX pass (asynctp.compile) on vanilla styles
 
 
 VARIANTS = {
@@ -37,6 +38,7 @@ VARIANTS = {
     "asynctp": Variant("asynctp", asynchronous=True),
     "torch-async-tp": Variant("torch async TP (compiled)", asynchronous=False, torch_async_tp=True),
     "control": Variant("vanilla TP, 1-ulp init change", asynchronous=False, perturb_init=True),
+    "asynctp-pass": Variant("vanilla TP + asynctp pass (compiled)", asynchronous=False, asynctp_pass=True),
 }
 
 
@@ -65,6 +67,7 @@ class RunResult:
     step_times: list[float] = field(default_factory=list)  # seconds, every step
     peak_memory_bytes: int | None = None
     profile: dict[str, float] | None = None
+    fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
 
 
 def train(
@@ -72,6 +75,21 @@ def train(
     on_step: Callable[[int, float, float], None] | None = None,
 ) -> RunResult:
     """Train a fresh model for settings.steps steps; on_step(step, loss, seconds) after each."""
+    with contextlib.ExitStack() as stack:
+        if variant.asynctp_pass:  # graphs compile lazily, at the first forward and backward
+            from asynctp.compile import enabled
+
+            from asynctp.compile import fusion_report
+
+            stack.enter_context(enabled())
+            fusion_report(clear=True)
+        result = _train(variant, settings, mesh, device, on_step)
+        if variant.asynctp_pass:
+            result.fusion = str(fusion_report()).splitlines()[0]
+        return result
+
+
+def _train(variant, settings, mesh, device, on_step) -> RunResult:
     cfg = settings.cfg
     model = _build(variant, settings, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -117,7 +135,7 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
                 share_gathers=settings.share_gathers)
     if variant.torch_async_tp:
         _enable_torch_async_tp(mesh)
-    if settings.compile or variant.torch_async_tp:
+    if settings.compile or variant.torch_async_tp or variant.asynctp_pass:
         model = torch.compile(model)
     return model
 
@@ -178,5 +196,6 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "losses": result.losses,
         "step_times_s": result.step_times,
         "profile": result.profile,
+        **({"fusion_report": result.fusion} if result.fusion else {}),
         "world_size": world_size,
     }

@@ -23,3 +23,18 @@ def test_demo_cpu_path_writes_json(tmp_path, capsys):
 def test_demo_refuses_gpu_only_flags_on_cpu(capsys):
     assert main(["demo", "--cpu", "--profile"]) == 2
     assert "--profile requires >= 2 GPUs" in capsys.readouterr().err
+
+
+def test_demo_extra_runs_control_and_asynctp_pass(tmp_path, capsys):
+    """--control (1-ulp init change) and --asynctp-pass (vanilla styles compiled with asynctp's
+    pass): both run, the pass reports what it fused, the curves stay with vanilla's (float32)."""
+    assert main(["demo", "--cpu", "--steps", "2", "--control", "--asynctp-pass", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "(control: rounding alone)" in printed
+    (path,) = tmp_path.glob("demo_2xcpu_*.json")
+    record = json.loads(path.read_text())
+    names = [r["name"] for r in record["runs"]]
+    assert names == ["vanilla TP", "asynctp", "vanilla TP, 1-ulp init change", "vanilla TP + asynctp pass (compiled)"]
+    passed = record["runs"][3]
+    assert passed["fusion_report"].startswith("asynctp fusion report:") and " 0 fused" not in passed["fusion_report"]
+    assert record["comparison"]["vanilla TP + asynctp pass (compiled)"]["max_rel_loss_diff"] <= 1e-5
