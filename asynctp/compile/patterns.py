@@ -10,6 +10,8 @@ Forms recognized (R = group size, as the functional collectives and DTensor emit
     scatter dim 0:  x -> reduce_scatter_tensor -> wait_tensor
     scatter dim d>0: x -> split(s, d) -> getitem x R (or slice x R) -> cat(dim=0) -> reduce_scatter ...
     matmul:         mm / addmm / _scaled_mm on a 2-D A, or reshape(A, [-1, K]) -> mm -> reshape(back)
+    matmul -> reduce-scatter, A built in 2-D (torchao's Float8Linear casts a gradient to float8
+                    after flattening it): mm -> reshape to N-D; the rewrite reshapes A to match
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "find_reduce_scatters",
     "consumer_matmuls",
     "producer_matmul",
+    "reaches_scaled_mm_a",
     "ancestors",
     "tensor_of",
     "unforeseen",
@@ -113,6 +116,7 @@ class Matmul:
     out_dtype: torch.dtype | None = None
     use_fast_accum: bool = False
     problem: str | None = None  # set when this matmul cannot be folded in
+    a_shape: tuple[int, ...] | None = None  # A is 2-D with no N-D source: reshape it to this first
 
     def arg_nodes(self) -> list[fx.Node]:
         return [n for n in (self.b, self.bias, self.scale_a, self.scale_b) if isinstance(n, fx.Node)]
@@ -264,6 +268,21 @@ def _match_gathered_view(g: Gather, num: int) -> None:
         g.erased_dtype = chain[0].args[1]
 
 
+def reaches_scaled_mm_a(result: fx.Node, max_nodes: int = 64) -> bool:
+    """Whether `result` reaches the A of a _scaled_mm through elementwise and shape ops (a
+    high-precision gather cast to float8 afterwards: torchao's Float8Linear under plain
+    ColwiseParallel). The walk stops at matmuls and collectives and after max_nodes nodes."""
+    todo, seen = list(result.users), {result}
+    while todo and len(seen) < max_nodes:
+        node = todo.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_function" and node.target not in MATMULS and "_c10d_functional" not in str(node.target):
+            todo.extend(node.users)
+    return any(n.target is aten._scaled_mm.default and n.args[0] in seen for n in seen)
+
+
 def unforeseen(exc: Exception) -> str:
     return f"asynctp could not analyse this form ({type(exc).__name__}: {exc})"
 
@@ -326,7 +345,7 @@ def _is_flatten_to_2d(node: fx.Node, src: fx.Node) -> bool:
     )
 
 
-def _matmul_at(mm: fx.Node, a: fx.Node, pre: fx.Node | None) -> Matmul:
+def _matmul_at(mm: fx.Node, a: fx.Node, pre: fx.Node | None, a_shape: tuple[int, ...] | None = None) -> Matmul:
     if mm.target is aten.addmm.default:
         m = Matmul(mm, a, mm.args[2], pre, [], bias=mm.args[0])
         if _arg(mm, 3, "beta", 1) != 1 or _arg(mm, 4, "alpha", 1) != 1:
@@ -344,9 +363,10 @@ def _matmul_at(mm: fx.Node, a: fx.Node, pre: fx.Node | None) -> Matmul:
             m.problem = "_scaled_mm with a result scale"
     else:
         m = Matmul(mm, a, mm.args[1], pre, [])
+    m.a_shape = a_shape
     a_val, out = tensor_of(a), tensor_of(mm)
     if a_val is not None and out is not None:
-        want = tuple(a_val.shape[:-1]) + (out.shape[1],)
+        want = tuple(a_shape or a_val.shape)[:-1] + (out.shape[1],)
         m.post = [u for u in mm.users if u.target in RESHAPES and tensor_of(u) is not None
                   and tuple(tensor_of(u).shape) == want]
     return m
@@ -375,8 +395,21 @@ def consumer_matmuls(result: fx.Node) -> tuple[list[Matmul], list[str]]:
     return found, notes
 
 
+def _unflattened_a_shape(post: fx.Node, a: Any) -> tuple[int, ...] | None:
+    """The N-D shape of a 2-D A [M, K] whose product [M, N] is reshaped to lead + (N,) with
+    prod(lead) == M (lead keeps the rows in order, so A reshaped to lead + (K,) gives the same
+    product), or None."""
+    out, a_val = tensor_of(post), tensor_of(a)
+    if out is None or a_val is None or a_val.ndim != 2 or out.ndim < 3:
+        return None
+    if prod(out.shape[:-1]) != a_val.shape[0]:
+        return None
+    return (*out.shape[:-1], a_val.shape[1])
+
+
 def producer_matmul(node: fx.Node) -> tuple[Matmul | None, str | None]:
-    """The matmul that produced `node` (2-D mm, or reshape -> mm -> reshape back), or why none."""
+    """The matmul that produced `node` (2-D mm, reshape -> mm -> reshape back, or a 2-D A -> mm
+    -> reshape to N-D), or why none."""
     if node.target in MATMULS:
         return _matmul_at(node, node.args[_mm_a_index(node)], None), None
     if node.target in RESHAPES and isinstance(node.args[0], fx.Node) and node.args[0].target in MATMULS:
@@ -387,7 +420,28 @@ def producer_matmul(node: fx.Node) -> tuple[Matmul | None, str | None]:
             if node not in m.post:
                 return None, "the reshape after the matmul changes its leading dims"
             return m, None
+        a_shape = _unflattened_a_shape(node, pre)
+        if a_shape is not None:
+            return _matmul_at(mm, pre, None, a_shape), None
         return None, "the matmul's 2-D input is not a flattening reshape of an N-D tensor"
+    if _rescaled_scaled_mm(node):
+        return None, ("the _scaled_mm product is multiplied by scales before the reduction (torchao's rowwise "
+                      "recipe without fast accumulation scales after the matmul)")
     return None, f"its input comes from {node.target} (not a matmul)" if node.op == "call_function" else (
         f"its input is a graph {node.op}, not a matmul"
     )
+
+
+def _rescaled_scaled_mm(node: fx.Node) -> bool:
+    """node is reshape / convert_element_type / mul(..., scales) of a _scaled_mm product."""
+    passes = RESHAPES + (torch.ops.prims.convert_element_type.default,)
+    scaled = False
+    for _ in range(4):
+        if node.target is aten.mul.Tensor and isinstance(node.args[0], fx.Node):
+            scaled = True
+        elif node.target not in passes or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+        if node.target is aten._scaled_mm.default:
+            return scaled
+    return False

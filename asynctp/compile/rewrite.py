@@ -30,6 +30,10 @@ RS_OP = "asynctp.matmul_reduce_scatter"
 AG_SCALED_OP = "asynctp.all_gather_scaled_matmul"
 RS_SCALED_OP = "asynctp.scaled_matmul_reduce_scatter"
 NO_SCALED_OP = "asynctp has no fused scaled op in this version"
+HP_GATHER_CAST = (
+    "cast to float8 after a high-precision gather, then fed to _scaled_mm (torchao's Float8Linear under "
+    "plain ColwiseParallel); asynctp fuses float8 gathers (torchao's Float8ColwiseParallel, tensorwise)"
+)
 # without a workspace the ops still overlap, over a send/recv ring: fusing never hurts
 RING_NOTE = "the op overlaps over the send/recv ring where that pays, else runs serially"
 
@@ -146,6 +150,8 @@ class _Rewriter:
             reason = notes[0] if notes else "gather feeds no matmul"
             if _is_scale_gather(g):
                 reason = "it gathers the rowwise A scale of a scaled matmul whose A gather was not fused"
+            elif not notes and pt.reaches_scaled_mm_a(g.result):
+                reason = HP_GATHER_CAST
             users = ", ".join(sorted(u.name for u in g.result.users))
             return CollectiveRecord(fused=False, reason=f"{reason} (users: {users})", tp=not notes, **record)
         problem = self._gather_problem(g, matmuls)
@@ -260,9 +266,11 @@ class _Rewriter:
                 return CollectiveRecord(fused=False, reason=reason, num_matmuls=1, **record)
             return CollectiveRecord(fused=True, op=RS_SCALED_OP, num_matmuls=1,
                                     reason=_ring_note(r.group_name, val), **record)
-        args = (m.a, m.b, r.scatter_dim, r.group_name, r.reduce_op, None, "auto")
+        a = self.matmul_a(m, r.wait)
+        args = (a, m.b, r.scatter_dim, r.group_name, r.reduce_op, None, "auto")
         problem = self.rejects(torch.ops.asynctp.matmul_reduce_scatter.default, args)
         if problem:
+            self.erase_unused([a] if a is not m.a else [])
             return CollectiveRecord(fused=False, reason=problem, num_matmuls=1, **record)
         fused = self.call(torch.ops.asynctp.matmul_reduce_scatter.default, args, r.wait)
         self.finish_reduce_scatter(r, m, fused)
@@ -287,6 +295,13 @@ class _Rewriter:
         if a.dtype not in _FLOATS and not m.scaled:
             return f"the matmul dtype {a.dtype} is not a float asynctp multiplies"
         return None
+
+    def matmul_a(self, m: pt.Matmul, before: fx.Node) -> fx.Node:
+        """The matmul's A in the N-D shape the op scatters (a 2-D A is reshaped to the product's
+        leading dims: the same rows in the same order)."""
+        if m.a_shape is None:
+            return m.a
+        return self.call(aten.reshape.default, (m.a, list(m.a_shape)), before)
 
     def finish_reduce_scatter(self, r: pt.ReduceScatter, m: pt.Matmul, fused: fx.Node) -> None:
         # the un-waited collective may be saved for backward too: it holds the same values

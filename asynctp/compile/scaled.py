@@ -101,18 +101,20 @@ def fuse_scaled_reduce_scatter(rw: Any, r: pt.ReduceScatter, m: pt.Matmul, op: A
     a, scale = pt.tensor_of(m.a), pt.tensor_of(m.scale_a)
     if a is None or scale is None:
         return "the graph carries no shapes (meta['val']) for the scales"
+    a_node = rw.matmul_a(m, r.wait)
+    a_shape = m.a_shape or tuple(a.shape)
     a_scale = m.scale_a
-    if scale.numel() != 1 or (scale.ndim == 2 and scale.shape[0] == a.shape[0] and a.ndim == 2):
+    if scale.numel() != 1 or (scale.ndim == 2 and scale.shape[0] == a_shape[0] and len(a_shape) == 2):
         # rowwise [M, 1] for the flattened A: the op wants a.shape[:-1] + (1,)
-        want = (*a.shape[:-1], 1)
+        want = (*a_shape[:-1], 1)
         if tuple(scale.shape) != want:
             a_scale = rw.call(aten.reshape.default, (m.scale_a, list(want)), r.wait)
     out_dtype = m.out_dtype or torch.bfloat16
-    args = (m.a, m.b, a_scale, m.scale_b, r.scatter_dim, r.group_name, out_dtype, None, r.reduce_op,
+    args = (a_node, m.b, a_scale, m.scale_b, r.scatter_dim, r.group_name, out_dtype, None, r.reduce_op,
             m.use_fast_accum, "auto")
     problem = rw.rejects(op.default, args)
     if problem:
-        rw.erase_unused([a_scale] if a_scale is not m.scale_a else [])
+        rw.erase_unused([n for n in (a_scale, a_node) if n not in (m.scale_a, m.a)])
         return problem
     fused = rw.call(op.default, args, r.wait)
     rw.finish_reduce_scatter(r, m, fused)

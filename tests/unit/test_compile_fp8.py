@@ -1,7 +1,9 @@
 """tests/unit: the fp8 graph rewrite (make_fx, fake tensors, a "fake" group of 2 ranks):
 type-erased (uint8) and plain float8 gathers into _scaled_mm, tensorwise and rowwise scales,
-and _scaled_mm -> reduce-scatter. Where this asynctp has no fused scaled ops, each is reported
-unfused with that reason."""
+and _scaled_mm -> reduce-scatter; the forms torchao's Float8Linear leaves under plain DTensor styles
+(A cast to float8 after flattening; a high-precision gather cast afterwards; a product rescaled
+after the matmul). Where this asynctp has no fused scaled ops, each is reported unfused with that
+reason."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import importlib
 import pytest
 import torch
 
-from asynctp.compile.rewrite import NO_SCALED_OP, rewrite_graph
+from asynctp.compile.rewrite import HP_GATHER_CAST, NO_SCALED_OP, rewrite_graph
 from tests import cases_compile as cc
 
 F8 = torch.float8_e4m3fn
@@ -156,3 +158,52 @@ def test_type_erased_gather_batch1_view_form_rowwise(dtype_view):
         (node,) = cc.nodes_of(gm, "asynctp.all_gather_scaled_matmul.default")
         assert node.args[0].meta["val"].dtype == F8 and node.args[4] == 1
         assert "_c10d_functional.all_gather_into_tensor.default" not in cc.targets(gm)
+
+
+# --- torchao Float8Linear under plain ColwiseParallel / RowwiseParallel --------------------------
+
+
+def _cast_2d(x):
+    """torchao's backward: flatten the gradient first, then cast it to float8."""
+    return (x.reshape(-1, x.shape[-1]) * 2).to(F8)
+
+
+@pytest.mark.parametrize(
+    "dim, sa, sb, sa_fused", [(0, (), (), ()), (1, (), (), ()), (1, (16, 1), (1, 16), (2, 8, 1))],
+    ids=["tensorwise-dim0", "tensorwise-dim1", "rowwise-dim1"],
+)
+def test_scaled_mm_of_a_2d_cast_reduce_scattered(dim, sa, sb, sa_fused):
+    def f(x, w, sa, sb):
+        out = torch._scaled_mm(_cast_2d(x), w.to(F8).t(), sa, sb, out_dtype=BF16)
+        return cc.reduce_scatter(out.reshape(2, 8, 16), dim)
+
+    gm, (rec,) = rewrite(f, (2, 8, 16), (16, 16), sa, sb)
+    check_fused(rec, "asynctp.scaled_matmul_reduce_scatter")
+    if HAS_SCALED:
+        (node,) = cc.nodes_of(gm, "asynctp.scaled_matmul_reduce_scatter.default")
+        assert tuple(node.args[0].meta["val"].shape) == (2, 8, 16) and node.args[4] == dim
+        assert tuple(node.args[2].meta["val"].shape) == sa_fused  # a rowwise scale follows A's rows
+        assert "aten._scaled_mm.default" not in cc.targets(gm)
+
+
+def test_high_precision_gather_cast_afterwards_says_so():
+    def f(x, w, sb):
+        a = cc.gather(x, 1)
+        scale = 448.0 / a.abs().max()
+        a_fp8 = (a * scale).clamp(-448.0, 448.0).to(F8)
+        return torch._scaled_mm(a_fp8.reshape(-1, 16), w.to(F8).t(), scale.reciprocal(), sb, out_dtype=BF16)
+
+    _, (rec,) = rewrite(f, (2, 4, 16), (16, 16), ())
+    assert not rec.fused and rec.tp and rec.reason.startswith(HP_GATHER_CAST), rec.describe()
+
+
+def test_rescaled_scaled_mm_before_reduce_scatter_says_so():
+    def f(x, w, sa, sb):
+        one = torch.ones((), dtype=torch.float32)
+        out = torch._scaled_mm(x.to(F8).reshape(-1, 16), w.to(F8).t(), one, one, out_dtype=BF16)
+        # torchao: output *= a_inverse_scale * b_inverse_scale, with the cast as inductor writes it
+        rescaled = torch.ops.prims.convert_element_type(out * (sa * sb), BF16)
+        return cc.reduce_scatter(rescaled.reshape(2, 8, 16), 1)
+
+    _, (rec,) = rewrite(f, (2, 8, 16), (16, 16), (16, 1), (1, 16))
+    assert not rec.fused and "multiplied by scales before the reduction" in rec.reason, rec.describe()

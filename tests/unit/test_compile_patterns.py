@@ -143,6 +143,15 @@ def test_rs_3d_reshape_mm_reshape(dim):
     assert node.args[2] == dim and tuple(node.args[0].meta["val"].shape) == (2, 4, 8)
 
 
+def test_rs_of_a_2d_a_reshaped_after_the_mm():
+    """A built in 2-D (no flattening reshape to undo): the op gets A reshaped to the product's dims."""
+    gm, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(((a.reshape(-1, 8) * 2) @ b).reshape(2, 4, 6), 1),
+                         (2, 4, 8), (8, 6))
+    assert rec.fused, rec.describe()
+    node = fused_node(gm, RS)
+    assert node.args[2] == 1 and tuple(node.args[0].meta["val"].shape) == (2, 4, 8)
+
+
 def test_rs_avg():
     gm, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0, "avg"), (4, 8), (8, 6))
     assert rec.fused and fused_node(gm, RS).args[4] == "avg"
