@@ -23,14 +23,20 @@ def _timed_error(call) -> tuple[str, float]:
     return "no error", time.monotonic() - start
 
 
-def peer_skips_op(device: str, op: str) -> tuple[str, float]:
-    """The last rank raises before the op (a user error on one rank); the others must raise a
-    timeout naming it, not hang."""
+def _fault_setup(device: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """A 3 s timeout and one call first, so the workspace exists before a fault: (rank, world, a, b)."""
     rank, ws = world()
     asynctp.set_timeout(3)
     a = ints((4 * ws, 8), rank, torch.float32, device)
     b = ints((8, 6), 1, torch.float32, device)
-    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")  # workspace exists
+    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+    return rank, ws, a, b
+
+
+def peer_skips_op(device: str, op: str) -> tuple[str, float]:
+    """The last rank raises before the op (a user error on one rank); the others must raise a
+    timeout naming it, not hang."""
+    rank, ws, a, b = _fault_setup(device)
     if rank == ws - 1:
         return "skipped", 0.0
     if op == "ag":
@@ -41,11 +47,7 @@ def peer_skips_op(device: str, op: str) -> tuple[str, float]:
 def peer_dies_mid_op(device: str, op: str) -> tuple[str, float]:
     """The last rank exits after the op's opening barrier; the others must raise a timeout
     naming it."""
-    rank, ws = world()
-    asynctp.set_timeout(3)
-    a = ints((4 * ws, 8), rank, torch.float32, device)
-    b = ints((8, 6), 1, torch.float32, device)
-    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")  # workspace exists
+    rank, ws, a, b = _fault_setup(device)
     if rank == ws - 1:
         workspace = asynctp.get_workspace(dist.group.WORLD, device)
         real_barrier = workspace.barrier
@@ -155,11 +157,7 @@ def peer_skips_op_cuda(op: str) -> str:
     trap, and the test throws this pool away)."""
     import logging
 
-    rank, ws = world()
-    asynctp.set_timeout(3)
-    a = ints((4 * ws, 8), rank, torch.float32, "cuda")
-    b = ints((8, 6), 1, torch.float32, "cuda")
-    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")  # workspace exists
+    rank, ws, a, b = _fault_setup("cuda")
     torch.cuda.synchronize()
     if rank == ws - 1:
         return "skipped"

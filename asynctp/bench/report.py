@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,13 +196,7 @@ def regenerate(out_dir: str | Path) -> list[Path]:
 
     out = Path(out_dir)
     written = []
-    for path in sorted(out.glob("*.json")):
-        try:
-            rows = json.loads(path.read_text())["rows"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if not rows:
-            continue
+    for path, rows in _results_files(out):
         path.with_suffix(".md").write_text(markdown(rows, title=True))
         written.append(path.with_suffix(".md"))
         png = plot_efficiency(rows, path.with_suffix(".png"))
@@ -279,16 +273,22 @@ def target_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
-def _latest_runs(out: Path) -> dict[tuple[str, str], tuple[Path, list[dict[str, Any]]]]:
-    """(op, hardware) -> the newest results file and its rows."""
-    latest: dict[tuple[str, str], tuple[Path, list[dict[str, Any]]]] = {}
+def _results_files(out: Path) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    """(path, rows) of every benchmark results JSON in `out` (demo and contention records, which
+    have no "rows", are skipped)."""
     for path in sorted(out.glob("*.json")):
         try:
             rows = json.loads(path.read_text())["rows"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not rows:
-            continue
+        if rows:
+            yield path, rows
+
+
+def _latest_runs(out: Path) -> dict[tuple[str, str], tuple[Path, list[dict[str, Any]]]]:
+    """(op, hardware) -> the newest results file and its rows."""
+    latest: dict[tuple[str, str], tuple[Path, list[dict[str, Any]]]] = {}
+    for path, rows in _results_files(out):
         key = (rows[0]["op"], rows[0]["hardware"])
         if key not in latest or rows[0]["date"] >= latest[key][1][0]["date"]:
             latest[key] = (path, rows)

@@ -51,10 +51,14 @@ def _lanes_for(device: torch.device) -> Lanes:
     return _lanes[key]
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup) -> None:
+def _neighbours(group: dist.ProcessGroup, rank: int, world: int) -> tuple[int, int]:
+    """The global ranks of rank+1 and rank-1 in the group (looked up once per call)."""
+    return dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peers: tuple[int, int], group: dist.ProcessGroup) -> None:
     """send to rank+1, receive from rank-1; returns once the active stream (or host) has them."""
-    nxt = dist.get_global_rank(group, (rank + 1) % world)
-    prv = dist.get_global_rank(group, (rank - 1) % world)
+    nxt, prv = peers
     ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
@@ -75,6 +79,7 @@ def ring_gather_and_consume(
 
 def _ring_gather(group, shard, gathered, consume) -> None:
     rank, world = group.rank(), group.size()
+    peers = _neighbours(group, rank, world)
     m = shard.shape[0]
     lanes = _lanes_for(shard.device)
     blocks = row_blocks(m, ring_splits(m, shard.device))
@@ -92,7 +97,7 @@ def _ring_gather(group, shard, gathered, consume) -> None:
             src = (rank - step) % world
             send = shard if step == 1 else chunk((rank - step + 1) % world)
             for lo, hi in blocks:
-                _exchange(send[lo:hi], chunk(src)[lo:hi], rank, world, group)
+                _exchange(send[lo:hi], chunk(src)[lo:hi], peers, group)
                 arrived.append((src, lo, hi, lanes.mark()))
         chunk(rank).copy_(shard)
     consume(rank, 0, [shard])
@@ -118,6 +123,7 @@ def ring_produce_and_reduce_scatter(
 
 def _ring_reduce_scatter(group, produce, chunk_shape, dtype, device, reduce_op) -> torch.Tensor:
     rank, world = group.rank(), group.size()
+    peers = _neighbours(group, rank, world)
     m = chunk_shape[0]
     lanes = _lanes_for(device)
     blocks = row_blocks(m, ring_splits(m, device))
@@ -140,7 +146,7 @@ def _ring_reduce_scatter(group, produce, chunk_shape, dtype, device, reduce_op) 
                 ready = lanes.mark()
                 with lanes.copy():
                     lanes.wait(ready)
-                    _exchange(bufs[1][lo:hi], bufs[2][lo:hi], rank, world, group)
+                    _exchange(bufs[1][lo:hi], bufs[2][lo:hi], peers, group)
                     done[b] = lanes.mark()
     if reduce_op == "avg":
         out.div_(world)
