@@ -10,7 +10,8 @@ import torch
 __all__ = ["add_arguments", "run", "report"]
 
 _ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "ASYNCTP_TIMEOUT",
-             "ASYNCTP_DISABLE_SYMM", "ASYNCTP_TUNING_CACHE", "ASYNCTP_SM_CARVEOUT", "ASYNCTP_RING_SPLITS")
+             "ASYNCTP_DISABLE_SYMM", "ASYNCTP_TUNING_CACHE", "ASYNCTP_SM_CARVEOUT", "ASYNCTP_RING_SPLITS",
+             "ASYNCTP_SIGNALS")
 
 
 def report() -> list[str]:

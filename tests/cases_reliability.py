@@ -5,6 +5,7 @@ a pool of their own and throw it away."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -152,9 +153,9 @@ def ops_on_two_streams() -> None:
 
 def peer_skips_op_cuda(op: str) -> str:
     """cuda backend: the last rank skips the op; the others' device-side wait times out and
-    traps. Before it does, asynctp's watchdog must log a line naming the op, the rank and the
-    wait. Returns what the watchdog logged (never synchronizes: the context is lost after the
-    trap, and the test throws this pool away)."""
+    is aborted. Before it is, asynctp's watchdog must log a line naming the op, the rank and the
+    wait; after it, a synchronize must raise, not hang. Returns what the watchdog logged and how
+    the synchronize ended (the context is lost: the test throws this pool away)."""
     import logging
 
     rank, ws, a, b = _fault_setup("cuda")
@@ -175,4 +176,19 @@ def peer_skips_op_cuda(op: str) -> str:
     deadline = time.monotonic() + 3 + 5
     while not logged and time.monotonic() < deadline:
         time.sleep(0.1)
-    return logged[0] if logged else "nothing logged"
+    if not logged:
+        return "nothing logged"
+    # then the process must not hang: its CUDA context is gone, so a synchronize raises
+    outcome: list[str] = []
+
+    def sync() -> None:
+        try:
+            torch.cuda.synchronize()
+            outcome.append("returned")
+        except Exception as exc:  # noqa: BLE001  (the CUDA error's type varies by release)
+            outcome.append(f"raised {type(exc).__name__}")
+
+    waiter = threading.Thread(target=sync, daemon=True)
+    waiter.start()
+    waiter.join(20)
+    return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'}"

@@ -133,8 +133,8 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     _, m_total, _, _ = shape_key
     rows = m_total // world_size
     lockstep = op == "all_gather_matmul" and rows >= 2048
-    if forced:
-        return max(1, int(forced)), lockstep
+    if forced:  # at most 8: the signal channels of the blocks must fit the workspace's flags
+        return max(1, min(8, int(forced))), lockstep
     if world_size != 2:
         return 1, lockstep
     if op == "all_gather_matmul":

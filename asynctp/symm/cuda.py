@@ -2,22 +2,28 @@
 
 Peer buffers are plain device pointers in this process, so `dst.copy_(peer_view)` is a
 cudaMemcpyAsync that runs on a copy engine and leaves every SM to the matmuls. Barriers and
-signals are torch's stream-ordered signal-pad kernels (one tiny block each). Multicast is never
-used.
+signals are stream memory operations on flags in the signal pad (streamops.py: no SM, a few
+microseconds of host time each); during CUDA-graph capture, and where the driver lacks them or
+ASYNCTP_SIGNALS=torch, torch's stream-ordered signal-pad kernels. Multicast is never used.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from asynctp.symm import watchdog
+from asynctp.config import warn_once
+from asynctp.symm import streamops, watchdog
 from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Workspace
 
 __all__ = ["CudaWorkspace"]
+
+_SIGNALS_ENV = "ASYNCTP_SIGNALS"  # "torch": torch's signal kernels even in eager mode
+FLAG_CHANNELS = 16  # channels per kind (barrier, signal); torch's kernels use the same numbers
 
 
 def _rendezvous(tensor: torch.Tensor, group_name: str):  # -> _SymmetricMemory
@@ -42,7 +48,13 @@ class CudaWorkspace(Workspace):
         self._handle = None
         self._bufs: list[torch.Tensor] = []
         self.pending: watchdog.Pending | None = None  # the last wait enqueued (see watchdog.py)
+        self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
+        self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
+        self._counts: dict[tuple, int] = {}  # the last value written/awaited per flag
+        self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
+        # made now: when the watchdog needs them, this process's streams may all be stuck
+        self._abort = (torch.cuda.Stream(self.device), torch.zeros((), dtype=torch.bool, device=self.device))
         watchdog.watch(self)
 
     def _grow(self, nbytes: int) -> None:
@@ -58,6 +70,43 @@ class CudaWorkspace(Workspace):
         self._bufs = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(self.world_size)]
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
+        # a fresh signal pad is zeroed: every flag's count starts again (all ranks grow together)
+        self._counts = {}
+        self._flags, why = _flag_region(handle, self.world_size)
+        self._ops = streamops.load() if self._flags is not None else None
+        if self._ops is None:
+            why = why or streamops.unavailable_reason()
+            warn_once("torch-signal-kernels", f"asynctp: barriers and signals use torch's signal kernels ({why}); each one "
+                      "costs more host time and holds an SM while it waits")
+
+    def uses_stream_ops(self) -> bool:
+        """Whether the next barrier/signal is a stream memory operation (see streamops.py)."""
+        return self._ops is not None and not torch.cuda.is_current_stream_capturing()
+
+    def abort_device(self, release: tuple[tuple[int, int], ...] = ()) -> None:
+        """Kill this process's CUDA context, as torch's signal kernels do when their wait times
+        out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
+        stream of its own, each (flag address, value) of `release` is written, so the stuck
+        stream wait ends (a device-side error alone leaves a front-end wait, and every
+        synchronize, hanging), then a device-side assert fires microseconds later, long before
+        the work after the wait can finish. Every later CUDA call in the process raises."""
+        if self._abort is None:
+            return
+        stream, false = self._abort
+        if self._ops is not None:
+            for address, value in release:
+                self._ops.write(stream.cuda_stream, address, value)
+        with torch.cuda.stream(stream):
+            torch._assert_async(false)
+
+    def _flag(self, kind: int, channel: int, src: int) -> int:
+        """Byte offset in a signal pad of the flag that `src` sets for (kind, channel)."""
+        return self._flags[1] + 4 * ((kind * FLAG_CHANNELS + channel) * self.world_size + src)
+
+    def _next(self, key: tuple) -> int:
+        value = self._counts.get(key, 0) + 1
+        self._counts[key] = value
+        return value
 
     def _raw(self, rank: int) -> torch.Tensor:
         return self._bufs[rank]
@@ -65,20 +114,78 @@ class CudaWorkspace(Workspace):
     def _ms(self, timeout: float | None) -> int:
         return int(self._timeout(timeout) * 1000)
 
-    def _watch(self, what: str, peer: int | None, seconds: float) -> None:
-        # waits recorded into a CUDA graph run at replay, unseen by the host: not watched
-        if not torch.cuda.is_current_stream_capturing():
-            self.pending = watchdog.Pending(self.op, what, peer, seconds)
+    def _check_channel(self, channel: int) -> None:
+        # torch's kernels index their flags by channel too: a larger one would reach ours
+        if not 0 <= channel < FLAG_CHANNELS:
+            raise ValueError(f"asynctp {self.op}: a channel requires 0 <= channel < {FLAG_CHANNELS}, got {channel}")
+
+    def _watch(self, what: str, peer: int | None, seconds: float) -> bool:
+        """Record a wait for the watchdog; returns whether it is a stream memory operation (the
+        caller then sets pending.release: the flags and values it waits for).
+        Waits recorded into a CUDA graph run at replay, unseen by the host: not watched."""
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
+        return self._ops is not None
 
     def barrier(self, channel: int = 0, timeout: float | None = None) -> None:
+        self._check_channel(channel)
         seconds = self._timeout(timeout)
-        self._watch(f"barrier channel {channel}", None, seconds)
-        self._handle.barrier(channel=channel, timeout_ms=int(seconds * 1000))
+        if not self._watch(f"barrier channel {channel}", None, seconds):
+            self._handle.barrier(channel=channel, timeout_ms=int(seconds * 1000))
+            return
+        # every rank sets its flag in every peer's pad, then waits for each peer's in its own
+        ops, (pads, _), rank = self._ops, self._flags, self.rank
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        value = self._next((0, channel))
+        mine = self._flag(0, channel, rank)
+        for peer in range(self.world_size):
+            if peer != rank:
+                ops.write(stream, pads[peer] + mine, value)
+        waits = tuple((pads[rank] + self._flag(0, channel, peer), value) for peer in range(self.world_size)
+                      if peer != rank)
+        self.pending.release = waits
+        for address, _ in waits:
+            ops.wait(stream, address, value)
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
-        self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._ms(None))
+        self._check_channel(channel)
+        if not self.uses_stream_ops():
+            self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._ms(None))
+            return
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        value = self._next((1, channel, "to", dst_rank))
+        self._ops.write(stream, self._flags[0][dst_rank] + self._flag(1, channel, self.rank), value)
 
     def wait_signal(self, src_rank: int, channel: int = 0, timeout: float | None = None) -> None:
+        self._check_channel(channel)
         seconds = self._timeout(timeout)
-        self._watch(f"signal channel {channel}", src_rank, seconds)
-        self._handle.wait_signal(src_rank, channel=channel, timeout_ms=int(seconds * 1000))
+        if not self._watch(f"signal channel {channel}", src_rank, seconds):
+            self._handle.wait_signal(src_rank, channel=channel, timeout_ms=int(seconds * 1000))
+            return
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        value = self._next((1, channel, "from", src_rank))
+        address = self._flags[0][self.rank] + self._flag(1, channel, src_rank)
+        self.pending.release = ((address, value),)
+        self._ops.wait(stream, address, value)
+
+
+def _flag_region(handle, world_size: int) -> tuple[tuple[list[int], int] | None, str | None]:
+    """((signal pad pointer per rank, byte offset of asynctp's flags), None), or (None, why).
+
+    asynctp's flags take the end of each pad: 2 kinds x FLAG_CHANNELS channels x world_size
+    uint32. torch's kernels take uint32 number channel * world_size + rank from the start."""
+    if os.environ.get(_SIGNALS_ENV, "") == "torch":
+        return None, f"{_SIGNALS_ENV}=torch"
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    try:
+        pads = [int(p) for p in handle.signal_pad_ptrs]
+        pad_bytes = int(_SymmetricMemory.signal_pad_size)
+    except (AttributeError, RuntimeError) as exc:
+        return None, f"this torch does not expose the signal pads ({exc})"
+    ours = 2 * FLAG_CHANNELS * world_size * 4
+    torchs = FLAG_CHANNELS * world_size * 4
+    if ours + torchs > pad_bytes:
+        return None, f"the signal pad ({pad_bytes} bytes) is too small for {world_size} ranks"
+    return (pads, pad_bytes - ours), None

@@ -1,15 +1,20 @@
-"""Names a stuck device-side wait before the device gives up on it.
+"""Names a stuck device-side wait, and enforces the timeout of the waits that have none.
 
-On the cuda backend a barrier or signal wait is a kernel that spins on the GPU; after the
-timeout it traps, which kills the CUDA context with an error that names nothing. Each wait
-records, on the host, what it waits for (op, kind, peer, channel, when it was issued); a daemon
-thread checks every workspace with a wait in flight and, once a wait is older than its timeout
-while the op's completion event has not fired, writes one line to stderr (and the log) naming the
-op, the rank, the peer and the signal, so the trap that follows has an explanation.
+On the cuda backend a barrier or signal wait is either a stream memory operation (streamops.py:
+the GPU's front end waits, with no timeout of its own) or, during graph capture, torch's kernel
+that spins and traps after its timeout, which kills the CUDA context with an error that names
+nothing. Each wait records, on the host, what it waits for (op, kind, peer, channel, when it was
+issued); a daemon thread checks every workspace with a wait in flight and, once a wait is older
+than its timeout while the op's completion event has not fired, writes one line to stderr (and
+the log) naming the op, the rank, the peer and the signal. For a stream wait it then aborts the
+CUDA context itself (CudaWorkspace.abort_device: the awaited flag values written, so the stuck
+stream moves, then a device-side assert), as the kernel would trap: every later CUDA call in the
+process raises instead of hanging.
 
-Not covered: waits replayed from a captured CUDA graph (the host does not see them).
-Not yet run on a GPU (tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap
-was written for that); the logic is tested on fakes in tests/unit/test_watchdog.py.
+Not covered: waits replayed from a captured CUDA graph (the host does not see them; those are
+torch's kernels, which trap on their own). Verified on 2xH200 by
+tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
+tested on fakes in tests/unit/test_watchdog.py.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["Pending", "watch", "check"]
+__all__ = ["Pending", "watch", "check", "report"]
 
 log = logging.getLogger("asynctp")
 
@@ -29,10 +34,12 @@ log = logging.getLogger("asynctp")
 class Pending:
     """One wait in flight: set by the workspace when it enqueues the wait."""
 
-    __slots__ = ("op", "what", "peer", "issued", "timeout")
+    __slots__ = ("op", "what", "peer", "issued", "timeout", "abort", "release")
 
-    def __init__(self, op: str, what: str, peer: int | None, timeout: float) -> None:
+    def __init__(self, op: str, what: str, peer: int | None, timeout: float, abort: bool = False) -> None:
         self.op, self.what, self.peer, self.timeout = op, what, peer, timeout
+        self.abort = abort  # the wait has no timeout of its own: the watchdog aborts the context
+        self.release: tuple[tuple[int, int], ...] = ()  # (flag address, value) that end the wait
         self.issued = time.monotonic()
 
 
@@ -77,12 +84,26 @@ def check(ws: Any, now: float | None = None) -> str | None:
         ws.pending = None
     source = f"from rank {p.peer}" if p.peer is not None else "from every rank of the group"
     hint = f"is rank {p.peer} alive" if p.peer is not None else "are all ranks alive"
-    return (
+    message = (
         f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the GPU has waited over "
         f"{p.timeout:g} s for {p.what} {source} (enqueued {now - p.issued:.0f} s ago); the "
         f"device-side wait will now abort this process with a CUDA error. {hint.capitalize()} and "
         f"running the same ops in the same order? (ASYNCTP_TIMEOUT sets the limit)"
     )
+    return message
+
+
+def report(ws: Any, now: float | None = None) -> str | None:
+    """check(ws); a stuck wait is logged, and when it has no timeout of its own (Pending.abort)
+    ws's device is aborted after the line is out."""
+    p = ws.pending
+    message = check(ws, now)
+    if message is not None:
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        if p.abort:
+            ws.abort_device(p.release)
+    return message
 
 
 def _run() -> None:
@@ -91,7 +112,4 @@ def _run() -> None:
         with _lock:
             workspaces = list(_watched)
         for ws in workspaces:
-            message = check(ws)
-            if message is not None:
-                log.error(message)
-                print(message, file=sys.stderr, flush=True)
+            report(ws)

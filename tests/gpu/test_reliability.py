@@ -1,8 +1,9 @@
 """Reliability on the cuda backend: a 10,000-call soak with random ops, shapes, dims and dtypes
 checked against the reference; mismatched calls and NaN inputs with the checks on; two groups.
-Fault injection: a timeout inside a CUDA signal kernel traps and takes the process's CUDA context
-down, so the error that surfaces names nothing; the test checks that asynctp's watchdog logged
-the op, rank and wait first (each such test uses a pool of its own and throws it away)."""
+Fault injection: a stuck wait (a stream wait aborted by asynctp's watchdog, or torch's signal
+kernel, which traps) takes the process's CUDA context down, so the error that surfaces names
+nothing; the test checks that asynctp's watchdog logged the op, rank and wait first and that the
+process does not hang (each such test uses a pool of its own and throws it away)."""
 
 import os
 
@@ -38,8 +39,12 @@ def test_ops_on_two_streams_are_serialized(pool):
     pool.run(cases_reliability.ops_on_two_streams)
 
 
+@pytest.mark.parametrize("signals", ["streamops", "torch"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_stuck_device_wait_is_named_before_the_trap(op):
+def test_stuck_device_wait_is_named_before_the_trap(op, signals, monkeypatch):
+    # streamops: the GPU's front end waits and the watchdog aborts the context; torch: torch's
+    # wait kernel traps on its own timeout
+    monkeypatch.setenv("ASYNCTP_SIGNALS", signals)
     pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
     try:
         outcomes = pool.run_outcomes(cases_reliability.peer_skips_op_cuda, op)
@@ -48,5 +53,6 @@ def test_stuck_device_wait_is_named_before_the_trap(op):
     kind, message = outcomes[0]
     assert kind == "ok", outcomes[0]
     name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
-    for part in (f"asynctp {name}", "rank 0 of group", "the GPU has waited over 3 s", "ASYNCTP_TIMEOUT"):
+    for part in (f"asynctp {name}", "rank 0 of group", "the GPU has waited over 3 s", "ASYNCTP_TIMEOUT",
+                 "synchronize raised"):
         assert part in message, (part, message)
