@@ -83,19 +83,28 @@ class CudaWorkspace(Workspace):
         """Whether the next barrier/signal is a stream memory operation (see streamops.py)."""
         return self._ops is not None and not torch.cuda.is_current_stream_capturing()
 
-    def abort_device(self, release: tuple[tuple[int, int], ...] = ()) -> None:
+    def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
         out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
-        stream of its own, each (flag address, value) of `release` is written, so the stuck
-        stream wait ends (a device-side error alone leaves a front-end wait, and every
-        synchronize, hanging), then a device-side assert fires microseconds later, long before
-        the work after the wait can finish. Every later CUDA call in the process raises."""
+        stream of its own, every flag in this rank's pad is set to the last value any wait
+        enqueued so far awaits, so no stream stays stuck (a device-side error alone leaves a
+        front-end wait, and every synchronize, hanging), then a device-side assert fires,
+        microseconds later, long before the work after a wait can finish. Every later CUDA call
+        in the process raises."""
         if self._abort is None:
             return
         stream, false = self._abort
-        if self._ops is not None:
-            for address, value in release:
-                self._ops.write(stream.cuda_stream, address, value)
+        if self._ops is not None and self._flags is not None:
+            own = self._flags[0][self.rank]
+            for key, value in list(self._counts.items()):
+                if key[0] == 0:  # a barrier: one flag per peer
+                    flags = [self._flag(0, key[1], p) for p in range(self.world_size) if p != self.rank]
+                elif key[2] == "from":  # a signal this rank waits for
+                    flags = [self._flag(1, key[1], key[3])]
+                else:
+                    continue
+                for offset in flags:
+                    self._ops.write(stream.cuda_stream, own + offset, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
 
@@ -120,8 +129,7 @@ class CudaWorkspace(Workspace):
             raise ValueError(f"asynctp {self.op}: a channel requires 0 <= channel < {FLAG_CHANNELS}, got {channel}")
 
     def _watch(self, what: str, peer: int | None, seconds: float) -> bool:
-        """Record a wait for the watchdog; returns whether it is a stream memory operation (the
-        caller then sets pending.release: the flags and values it waits for).
+        """Record a wait for the watchdog; returns whether it is a stream memory operation.
         Waits recorded into a CUDA graph run at replay, unseen by the host: not watched."""
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -142,11 +150,9 @@ class CudaWorkspace(Workspace):
         for peer in range(self.world_size):
             if peer != rank:
                 ops.write(stream, pads[peer] + mine, value)
-        waits = tuple((pads[rank] + self._flag(0, channel, peer), value) for peer in range(self.world_size)
-                      if peer != rank)
-        self.pending.release = waits
-        for address, _ in waits:
-            ops.wait(stream, address, value)
+        for peer in range(self.world_size):
+            if peer != rank:
+                ops.wait(stream, pads[rank] + self._flag(0, channel, peer), value)
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._check_channel(channel)
@@ -165,9 +171,7 @@ class CudaWorkspace(Workspace):
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         value = self._next((1, channel, "from", src_rank))
-        address = self._flags[0][self.rank] + self._flag(1, channel, src_rank)
-        self.pending.release = ((address, value),)
-        self._ops.wait(stream, address, value)
+        self._ops.wait(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank), value)
 
 
 def _flag_region(handle, world_size: int) -> tuple[tuple[list[int], int] | None, str | None]:

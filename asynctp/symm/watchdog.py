@@ -7,8 +7,8 @@ nothing. Each wait records, on the host, what it waits for (op, kind, peer, chan
 issued); a daemon thread checks every workspace with a wait in flight and, once a wait is older
 than its timeout while the op's completion event has not fired, writes one line to stderr (and
 the log) naming the op, the rank, the peer and the signal. For a stream wait it then aborts the
-CUDA context itself (CudaWorkspace.abort_device: the awaited flag values written, so the stuck
-stream moves, then a device-side assert), as the kernel would trap: every later CUDA call in the
+CUDA context itself (CudaWorkspace.abort_device: every awaited flag value written, so no
+stream stays stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
 process raises instead of hanging.
 
 Not covered: waits replayed from a captured CUDA graph (the host does not see them; those are
@@ -34,12 +34,11 @@ log = logging.getLogger("asynctp")
 class Pending:
     """One wait in flight: set by the workspace when it enqueues the wait."""
 
-    __slots__ = ("op", "what", "peer", "issued", "timeout", "abort", "release")
+    __slots__ = ("op", "what", "peer", "issued", "timeout", "abort")
 
     def __init__(self, op: str, what: str, peer: int | None, timeout: float, abort: bool = False) -> None:
         self.op, self.what, self.peer, self.timeout = op, what, peer, timeout
         self.abort = abort  # the wait has no timeout of its own: the watchdog aborts the context
-        self.release: tuple[tuple[int, int], ...] = ()  # (flag address, value) that end the wait
         self.issued = time.monotonic()
 
 
@@ -102,7 +101,7 @@ def report(ws: Any, now: float | None = None) -> str | None:
         log.error(message)
         print(message, file=sys.stderr, flush=True)
         if p.abort:
-            ws.abort_device(p.release)
+            ws.abort_device()
     return message
 
 
