@@ -136,6 +136,9 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     if variant.torch_async_tp:
         _enable_torch_async_tp(mesh)
     if settings.compile or variant.torch_async_tp or variant.asynctp_pass:
+        # dynamo's cache is per code object, and every run's model has the same forward: without
+        # a reset a later run reuses the first run's compiled graphs and its passes never run
+        torch._dynamo.reset()
         model = torch.compile(model)
     return model
 

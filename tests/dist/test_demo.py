@@ -38,3 +38,13 @@ def test_demo_extra_runs_control_and_asynctp_pass(tmp_path, capsys):
     passed = record["runs"][3]
     assert passed["fusion_report"].startswith("asynctp fusion report:") and " 0 fused" not in passed["fusion_report"]
     assert record["comparison"]["vanilla TP + asynctp pass (compiled)"]["max_rel_loss_diff"] <= 1e-5
+
+
+def test_demo_compiled_runs_each_compile_their_own_graphs(tmp_path):
+    """With --compile every run is compiled; the pass run must compile (and fuse) its own graphs,
+    not reuse those dynamo cached for the vanilla run (same forward code)."""
+    assert main(["demo", "--cpu", "--steps", "2", "--compile", "--asynctp-pass", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("demo_2xcpu_*.json")
+    passed = json.loads(path.read_text())["runs"][-1]
+    assert passed["name"] == "vanilla TP + asynctp pass (compiled)"
+    assert " 0 fused" not in passed["fusion_report"] and " 0 graph(s)" not in passed["fusion_report"], passed
