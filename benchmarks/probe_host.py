@@ -12,7 +12,6 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
 import time
 
@@ -23,6 +22,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks.probe_pipeline import timeit as device_us  # noqa: E402  (median us, max over ranks)
+
 CASES = os.environ.get(
     "PROBE_CASES",
     "all_gather_matmul:4096,all_gather_scaled_matmul_rowwise:4096,all_gather_scaled_matmul_tensorwise:4096,"
@@ -31,23 +32,6 @@ CASES = os.environ.get(
 STRATEGIES = os.environ.get("PROBE_STRATEGIES", "serial,pipeline").split(",")
 TRACE_DIR = os.environ.get("PROBE_TRACE_DIR")  # chrome traces of the profiled pipeline calls
 TRACE_TAG = "x"
-
-
-def device_us(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in evs:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    med = statistics.median(s.elapsed_time(e) for s, e in evs) * 1000
-    t = torch.tensor([med], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return round(t.item(), 1)
 
 
 def host_us(fn, iters=20):

@@ -50,7 +50,9 @@ class CudaWorkspace(Workspace):
         self.pending: watchdog.Pending | None = None  # the last wait enqueued (see watchdog.py)
         self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
-        self._counts: dict[tuple, int] = {}  # the last value written/awaited per flag
+        # the last value written to each peer flag / awaited on each own flag, by address
+        self._sent: dict[int, int] = {}
+        self._awaited: dict[int, int] = {}
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
         # made now: when the watchdog needs them, this process's streams may all be stuck
@@ -71,7 +73,7 @@ class CudaWorkspace(Workspace):
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
         # a fresh signal pad is zeroed: every flag's count starts again (all ranks grow together)
-        self._counts = {}
+        self._sent, self._awaited = {}, {}
         self._flags, why = _flag_region(handle, self.world_size)
         self._ops = streamops.load() if self._flags is not None else None
         if self._ops is None:
@@ -86,25 +88,17 @@ class CudaWorkspace(Workspace):
     def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
         out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
-        stream of its own, every flag in this rank's pad is set to the last value any wait
-        enqueued so far awaits, so no stream stays stuck (a device-side error alone leaves a
+        stream of its own, every flag of this rank's pad that a wait was enqueued on is set to the
+        last value awaited, so no stream stays stuck (a device-side error alone leaves a
         front-end wait, and every synchronize, hanging), then a device-side assert fires,
         microseconds later, long before the work after a wait can finish. Every later CUDA call
         in the process raises."""
         if self._abort is None:
             return
         stream, false = self._abort
-        if self._ops is not None and self._flags is not None:
-            own = self._flags[0][self.rank]
-            for key, value in list(self._counts.items()):
-                if key[0] == 0:  # a barrier: one flag per peer
-                    flags = [self._flag(0, key[1], p) for p in range(self.world_size) if p != self.rank]
-                elif key[2] == "from":  # a signal this rank waits for
-                    flags = [self._flag(1, key[1], key[3])]
-                else:
-                    continue
-                for offset in flags:
-                    self._ops.write(stream.cuda_stream, own + offset, value)
+        if self._ops is not None:
+            for address, value in list(self._awaited.items()):
+                self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
 
@@ -112,9 +106,11 @@ class CudaWorkspace(Workspace):
         """Byte offset in a signal pad of the flag that `src` sets for (kind, channel)."""
         return self._flags[1] + 4 * ((kind * FLAG_CHANNELS + channel) * self.world_size + src)
 
-    def _next(self, key: tuple) -> int:
-        value = self._counts.get(key, 0) + 1
-        self._counts[key] = value
+    @staticmethod
+    def _next(counts: dict[int, int], address: int) -> int:
+        """The flag at `address`'s next value (every write to a flag is matched by one wait on it,
+        so both sides count alike)."""
+        value = counts[address] = counts.get(address, 0) + 1
         return value
 
     def _raw(self, rank: int) -> torch.Tensor:
@@ -145,14 +141,14 @@ class CudaWorkspace(Workspace):
         # every rank sets its flag in every peer's pad, then waits for each peer's in its own
         ops, (pads, _), rank = self._ops, self._flags, self.rank
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        value = self._next((0, channel))
         mine = self._flag(0, channel, rank)
         for peer in range(self.world_size):
             if peer != rank:
-                ops.write(stream, pads[peer] + mine, value)
+                ops.write(stream, pads[peer] + mine, self._next(self._sent, pads[peer] + mine))
         for peer in range(self.world_size):
             if peer != rank:
-                ops.wait(stream, pads[rank] + self._flag(0, channel, peer), value)
+                address = pads[rank] + self._flag(0, channel, peer)
+                ops.wait(stream, address, self._next(self._awaited, address))
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._check_channel(channel)
@@ -160,8 +156,8 @@ class CudaWorkspace(Workspace):
             self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._ms(None))
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        value = self._next((1, channel, "to", dst_rank))
-        self._ops.write(stream, self._flags[0][dst_rank] + self._flag(1, channel, self.rank), value)
+        address = self._flags[0][dst_rank] + self._flag(1, channel, self.rank)
+        self._ops.write(stream, address, self._next(self._sent, address))
 
     def wait_signal(self, src_rank: int, channel: int = 0, timeout: float | None = None) -> None:
         self._check_channel(channel)
@@ -170,8 +166,8 @@ class CudaWorkspace(Workspace):
             self._handle.wait_signal(src_rank, channel=channel, timeout_ms=int(seconds * 1000))
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        value = self._next((1, channel, "from", src_rank))
-        self._ops.wait(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank), value)
+        address = self._flags[0][self.rank] + self._flag(1, channel, src_rank)
+        self._ops.wait(stream, address, self._next(self._awaited, address))
 
 
 def _flag_region(handle, world_size: int) -> tuple[tuple[list[int], int] | None, str | None]:
