@@ -11,7 +11,7 @@ __all__ = ["add_arguments", "run", "report"]
 
 _ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "ASYNCTP_TIMEOUT",
              "ASYNCTP_DISABLE_SYMM", "ASYNCTP_TUNING_CACHE", "ASYNCTP_SM_CARVEOUT", "ASYNCTP_RING_SPLITS",
-             "ASYNCTP_SIGNALS")
+             "ASYNCTP_SIGNALS", "ASYNCTP_GRAPHS", "ASYNCTP_MAX_GRAPHS")
 
 
 def report() -> list[str]:

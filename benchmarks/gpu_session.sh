@@ -11,8 +11,8 @@ step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@"
 for s in ${STEPS:-rs demo tests8 fp8 compile}; do
   case $s in
     ops) step ${OPS_LIMIT:-240} gpu_ops python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ops.py tests/gpu/test_reliability.py ;;
-    ag) step 150 bench_ag python3 -m asynctp.cli bench --op all_gather_matmul --shapes all --tune --out $R ;;
-    rs) step 150 bench_rs python3 -m asynctp.cli bench --op matmul_reduce_scatter --shapes all --tune --out $R ;;
+    ag) step 150 bench_ag python3 -m asynctp.cli bench --op all_gather_matmul --shapes ${BF16_SHAPES:-all} --tune --out $R ;;
+    rs) step 150 bench_rs python3 -m asynctp.cli bench --op matmul_reduce_scatter --shapes ${BF16_SHAPES:-all} --tune --out $R ;;
     demo) step ${DEMO_LIMIT:-200} demo python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --profile ${DEMO_ARGS:-} --out $R ;;
     demofp8) step ${DEMO_LIMIT:-200} demo_fp8 python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --float8 rowwise --out $R/fp8demo ;;
     stuck) step 120 gpu_stuck python3 -m pytest -q -p no:cacheprovider tests/gpu/test_reliability.py -k stuck ;;
@@ -22,6 +22,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     tests8) step 200 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
     fp8) for op in ${FP8_OPS:-all_gather_scaled_matmul_rowwise all_gather_scaled_matmul_tensorwise scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise}; do step ${FP8_LIMIT:-60} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${FP8_SHAPES:-seed} --tune --out $R; done ;;
     probehost) TAILN=40 step ${PROBE_LIMIT:-300} probe_host python3 benchmarks/probe_host.py $R/probe_host ;;
+    capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac
 done

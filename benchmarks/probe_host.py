@@ -141,13 +141,22 @@ def primitives(g, rank, ws_size):
         h.put_signal(peer, channel=5, timeout_ms=60000)
         h.wait_signal(peer, channel=5, timeout_ms=60000)
 
+    # asynctp's flags are set by the peer and reset by their owner: a flag's next set must come
+    # after the reset, which alternating two channels guarantees (one in a row could lose a set)
+    turn = [0]
+
     def sig_only():
-        ws.put_signal(peer, channel=6)
-        ws.wait_signal(peer, channel=6)
+        turn[0] ^= 1
+        ws.put_signal(peer, channel=6 + turn[0])
+        ws.wait_signal(peer, channel=6 + turn[0])
+
+    def ws_barrier():
+        turn[0] ^= 1
+        ws.barrier(channel=turn[0])
 
     items = {
         "handle.barrier": lambda: h.barrier(channel=0, timeout_ms=60000),
-        "ws.barrier": lambda: ws.barrier(channel=0),
+        "ws.barrier": ws_barrier,
         "handle.put+wait": put_wait,
         "ws.put+wait": sig_only,
         "stream_write_value32": lambda: _SymmetricMemory.stream_write_value32(flags, 3, 1),

@@ -338,3 +338,94 @@ def low_contention_collectives(device: str) -> int:
     with pytest.raises(ValueError, match="divisible by the world size"):
         asynctp.reduce_scatter(ints((ws + 1, 2), 0, torch.float32, device), 0, g)
     return count
+
+
+def _compare_to_serial(name, call, flat, where):
+    got, want = flat(call("pipeline")), flat(call("serial"))
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y), (name, where, (x.float() - y.float()).abs().max())
+    return got, [y.clone() for y in want]
+
+
+def graph_replays() -> list[dict]:
+    """Pipelined calls replayed from asynctp's own CUDA graphs (asynctp/ops/graphs.py), for the
+    four fused ops: inputs changed in place between calls are read anew, every result equals the
+    serial strategy's exactly (small integers), an output the caller holds is never overwritten,
+    and a rank that runs eagerly (ASYNCTP_GRAPHS=0 on the last rank, second round) interoperates
+    with ranks that replay. Returns each round's graph-cache counts."""
+    import os
+
+    from asynctp.ops import graphs
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    f8 = torch.float8_e4m3fn
+    # inputs at fixed addresses; refresh(i) writes call i's values into them
+    a_bf = torch.empty((64, 128), dtype=torch.bfloat16, device="cuda")
+    b_bf = ints((128, 96), 5, torch.bfloat16, "cuda")
+    a_rs = torch.empty((64, 128), dtype=torch.float32, device="cuda")
+    b_rs = ints((128, 96), 6, torch.float32, "cuda")
+    a_f8 = torch.empty((64, 128), dtype=f8, device="cuda")
+    a_scale = torch.empty((64, 1), device="cuda")
+    b_f8 = ints((96, 128), 7, torch.float32, "cuda").to(f8).t()  # column-major, as weight.t()
+    b_scale = torch.full((1, 96), 0.5, device="cuda")
+    half = torch.full((), 0.5, device="cuda")
+
+    def refresh(i: int) -> None:
+        seed = 100 * i + rank
+        a_bf.copy_(ints((64, 128), seed, torch.bfloat16, "cuda", low=-1, high=2))  # |a @ b| <= 256
+        a_rs.copy_(ints((64, 128), seed + 1, torch.float32, "cuda"))
+        a_f8.copy_(ints((64, 128), seed + 2, torch.float32, "cuda", low=-1, high=2).to(f8))
+        a_scale.copy_(torch.where(ints((64, 1), seed + 3, torch.float32, "cuda", 0, 2) > 0, 1.0, 0.5))
+
+    calls = {
+        "all_gather_matmul": lambda s: asynctp.all_gather_matmul(a_bf, [b_bf], 0, g, strategy=s),
+        "matmul_reduce_scatter": lambda s: asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy=s),
+    }
+    if fp8:
+        calls["all_gather_scaled_matmul"] = lambda s: asynctp.all_gather_scaled_matmul(
+            a_f8, [b_f8], a_scale, [b_scale], 0, g, out_dtype=torch.bfloat16, strategy=s)
+        calls["scaled_matmul_reduce_scatter"] = lambda s: asynctp.scaled_matmul_reduce_scatter(
+            a_f8, b_f8, half, half, 0, g, out_dtype=torch.float32, strategy=s)
+
+    def flat(result) -> list[torch.Tensor]:
+        if isinstance(result, torch.Tensor):
+            return [result]
+        first, outs = result
+        return ([] if first is None else [first]) + list(outs)
+
+    counts = []
+    workspace = asynctp.get_workspace(g, "cuda")
+    for round_ in range(2):
+        if round_ == 1 and rank == ws - 1:
+            os.environ["ASYNCTP_GRAPHS"] = "0"
+        graphs.clear(workspace)
+        before = graphs.stats(workspace)
+        try:
+            held = []
+            for i in range(6):
+                refresh(i)
+                for name, call in calls.items():
+                    # (a helper, so that no loop variable keeps an output alive)
+                    kept = _compare_to_serial(name, call, flat, f"call {i}, round {round_}")
+                    if i == 3:  # held across the later calls, which must not overwrite it
+                        held.append((name, *kept))
+                    del kept
+        finally:
+            os.environ.pop("ASYNCTP_GRAPHS", None)
+        torch.cuda.synchronize()
+        for name, got, want in held:
+            for x, y in zip(got, want):
+                assert torch.equal(x, y), (name, "a held output was overwritten")
+        after = graphs.stats(workspace)
+        counts.append({k: after[k] - before[k] for k in ("eager", "captured", "replayed")})
+        if round_ == 0 or rank != ws - 1:
+            # per op: 1 eager call, 1 capture, then replays, and one more capture while call 3's
+            # outputs are held
+            assert counts[-1]["replayed"] >= 3 * len(calls), counts[-1]
+            assert counts[-1]["captured"] == 2 * len(calls), counts[-1]
+        else:
+            assert counts[-1]["replayed"] == counts[-1]["captured"] == 0, counts[-1]
+    return counts

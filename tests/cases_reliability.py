@@ -151,17 +151,31 @@ def ops_on_two_streams() -> None:
         assert torch.equal(r, ref)
 
 
-def peer_skips_op_cuda(op: str) -> str:
+def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     """cuda backend: the last rank skips the op; the others' device-side wait times out and
     is aborted. Before it is, asynctp's watchdog must log a line naming the op, the rank and the
     wait; after it, a synchronize must raise, not hang. Returns what the watchdog logged and how
-    the synchronize ended (the context is lost: the test throws this pool away)."""
+    the synchronize ended (the context is lost: the test throws this pool away).
+    replay: the op is called three times on every rank first, so the stuck call is replayed
+    from asynctp's CUDA graph (ops/graphs.py)."""
     import logging
 
+    from asynctp.ops import graphs
+
     rank, ws, a, b = _fault_setup("cuda")
+
+    def call() -> None:
+        if op == "ag":
+            asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+        else:
+            asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline")
+
+    for _ in range(3 if replay else 0):
+        call()
     torch.cuda.synchronize()
     if rank == ws - 1:
         return "skipped"
+    workspace = asynctp.get_workspace(dist.group.WORLD, "cuda")
     logged: list[str] = []
 
     class Keep(logging.Handler):
@@ -169,10 +183,9 @@ def peer_skips_op_cuda(op: str) -> str:
             logged.append(record.getMessage())
 
     logging.getLogger("asynctp").addHandler(Keep())
-    if op == "ag":
-        asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
-    else:
-        asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline")
+    replays = graphs.stats(workspace)["replayed"]
+    call()
+    how = "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
     deadline = time.monotonic() + 3 + 5
     while not logged and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -191,4 +204,4 @@ def peer_skips_op_cuda(op: str) -> str:
     waiter = threading.Thread(target=sync, daemon=True)
     waiter.start()
     waiter.join(20)
-    return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'}"
+    return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'} | {how}"

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from asynctp.ops import guard
-from asynctp.ops.layout import GatherLayout, gather_layout
+from asynctp.ops import graphs, guard
+from asynctp.ops.graphs import tensor_key
+from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.ring import ring_gather_and_consume
 from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
@@ -74,18 +75,26 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     if guard.enabled():
         meta = dict(a_shard=a_shard, bs=bs, biases=biases, gather_dim=dim, return_a=return_a, strategy=strategy)
         guard.preflight("all_gather_matmul", group, meta, [a_shard, *bs, *biases])
-    lay = gather_layout(a_shard, dim, group.size())
-    m_total = lay.m * (1 if lay.k_mode else group.size())
+    world = group.size()
+    m_total = matmul_rows(a_shard, dim, world, gather=True)
     n_total = sum(b.shape[1] for b in bs)
     shape_key = (str(a_shard.dtype).removeprefix("torch."), m_total, n_total, bs[0].shape[0])
     chosen, ws = choose("all_gather_matmul", strategy, group, a_shard.device, shape_key)
     if chosen == "serial":
-        return all_gather_matmul_serial(lay, bs, biases, group, return_a)
+        return all_gather_matmul_serial(gather_layout(a_shard, dim, world), bs, biases, group, return_a)
     if chosen == "ring":
-        return _pipelined(group, lay, bs, biases, return_a, 1, False, ring=True)
+        return _pipelined(group, gather_layout(a_shard, dim, world), bs, biases, return_a, 1, False, ring=True)
     ws.op = "all_gather_matmul"
     splits, lockstep = plan_for("all_gather_matmul", shape_key, ws.world_size)
-    return _pipelined(ws, lay, bs, biases, return_a, splits, lockstep)
+
+    def body():
+        return _pipelined(ws, gather_layout(a_shard, dim, world), bs, biases, return_a, splits, lockstep)
+
+    if graphs.usable(ws):
+        key = ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
+               tuple(map(tensor_key, biases)), return_a, splits, lockstep, graphs.settings())
+        return graphs.call(ws, key, body)
+    return body()
 
 
 @_all_gather_matmul_op.register_fake

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asynctp.ops import guard
-from asynctp.ops.layout import GatherLayout, gather_layout
+from asynctp.ops import graphs, guard
+from asynctp.ops.graphs import tensor_key
+from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.ring import ring_gather_and_consume
 from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm
@@ -97,21 +98,25 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     world = group.size()
     if guard.enabled():
         _preflight(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy)
-    lay = gather_layout(a_shard, dim, world)
-    # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
-    scale_2d = gather_layout(a_scale, dim, world).shard_2d if rowwise else None
-    bs = [column_major(b) for b in bs]
-    m_total = lay.m * (1 if lay.k_mode else world)
-    n_total = sum(b.shape[1] for b in bs)
     mode = "rowwise" if rowwise else "tensorwise"
-    shape_key = (f"{str(a_shard.dtype).removeprefix('torch.')}-{mode}", m_total, n_total, bs[0].shape[0])
+    shape_key = (f"{str(a_shard.dtype).removeprefix('torch.')}-{mode}", matmul_rows(a_shard, dim, world, gather=True),
+                 sum(b.shape[1] for b in bs), bs[0].shape[0])
     chosen, ws = choose("all_gather_scaled_matmul", strategy, group, a_shard.device, shape_key)
-    args = (lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, return_a)
+
+    def args():
+        lay = gather_layout(a_shard, dim, world)
+        # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
+        scale_2d = gather_layout(a_scale, dim, world).shard_2d if rowwise else None
+        return (lay, a_scale, scale_2d, [column_major(b) for b in bs], b_scales, biases, out_dtype, use_fast_accum,
+                return_a)
+
     if chosen == "ring":
-        return _pipelined(_ring_gather(group, lay, scale_2d), *args)
+        call_args = args()
+        return _pipelined(_ring_gather(group, call_args[0], call_args[2]), *call_args)
     if ws is None or chosen == "serial":
+        lay, _, scale_2d, bs_cm, *_ = args()
         return all_gather_scaled_matmul_serial(
-            lay, a_scale, scale_2d, bs, b_scales, biases, out_dtype, use_fast_accum, group, return_a
+            lay, a_scale, scale_2d, bs_cm, b_scales, biases, out_dtype, use_fast_accum, group, return_a
         )
     ws.op = "all_gather_scaled_matmul"
     # the bf16 op's plan (row blocks, lockstep): the pipeline is the same
@@ -120,7 +125,15 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     def gather(shards, gathered, consume, alternate: bool) -> None:
         gather_and_consume(ws, shards, gathered, consume, splits=splits, alternate=alternate, lockstep=lockstep)
 
-    return _pipelined(gather, *args)
+    def body():
+        return _pipelined(gather, *args())
+
+    if graphs.usable(ws):
+        key = ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
+               tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
+               splits, lockstep, graphs.settings())
+        return graphs.call(ws, key, body)
+    return body()
 
 
 def _ring_gather(group: dist.ProcessGroup, lay: GatherLayout, scale_2d: torch.Tensor | None):

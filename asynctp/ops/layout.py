@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout"]
+__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows"]
+
+
+def matmul_rows(a: torch.Tensor, dim: int, world_size: int, gather: bool) -> int:
+    """Rows M of the full (gathered / unscattered) 2-D matmul, from shapes alone (no copy)."""
+    rows = a.numel() // max(1, a.shape[-1])
+    return rows * world_size if gather and dim != a.ndim - 1 else rows
 
 
 @dataclass(frozen=True)

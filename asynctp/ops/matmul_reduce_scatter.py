@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from asynctp.ops import guard
-from asynctp.ops.layout import ScatterLayout, scatter_layout
+from asynctp.ops import graphs, guard
+from asynctp.ops.graphs import tensor_key
+from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.ring import ring_produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
@@ -70,16 +71,24 @@ def _run(a, b, dim, group, reduce_op, bias, strategy):
     if guard.enabled():
         meta = dict(a=a, b=b, bias=bias, scatter_dim=dim, reduce_op=reduce_op, strategy=strategy)
         guard.preflight("matmul_reduce_scatter", group, meta, [a, b, bias])
-    lay = scatter_layout(a, dim, group.size())
-    shape_key = (str(a.dtype).removeprefix("torch."), lay.a_2d.shape[0], b.shape[1], b.shape[0])
+    world = group.size()
+    shape_key = (str(a.dtype).removeprefix("torch."), matmul_rows(a, dim, world, gather=False), b.shape[1], b.shape[0])
     chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
     if chosen == "serial":
-        return matmul_reduce_scatter_serial(lay, b, reduce_op, bias, group)
+        return matmul_reduce_scatter_serial(scatter_layout(a, dim, world), b, reduce_op, bias, group)
     if chosen == "ring":
-        return _pipelined(group, lay, b, reduce_op, bias, 1, ring=True)
+        return _pipelined(group, scatter_layout(a, dim, world), b, reduce_op, bias, 1, ring=True)
     ws.op = "matmul_reduce_scatter"
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
-    return _pipelined(ws, lay, b, reduce_op, bias, splits)
+
+    def body():
+        return _pipelined(ws, scatter_layout(a, dim, world), b, reduce_op, bias, splits)
+
+    if graphs.usable(ws):
+        key = ("matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(bias), dim, reduce_op, splits,
+               graphs.settings())
+        return graphs.call(ws, key, body)
+    return body()
 
 
 @_matmul_reduce_scatter_op.register_fake

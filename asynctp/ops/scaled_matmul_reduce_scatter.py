@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from asynctp.ops import guard
-from asynctp.ops.layout import ScatterLayout, scatter_layout
+from asynctp.ops import graphs, guard
+from asynctp.ops.graphs import tensor_key
+from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.ring import ring_produce_and_reduce_scatter
 from asynctp.ops.reference import bias_chunk
@@ -94,23 +95,24 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
                     reduce_op=reduce_op, use_fast_accum=use_fast_accum, strategy=strategy)
         # isfinite has no float8 kernel: check the fp8 operands upcast (a debugging aid, off by default)
         guard.preflight("scaled_matmul_reduce_scatter", group, meta, [a.float(), b.float(), a_scale, b_scale, bias])
-    lay = scatter_layout(a, dim, world)
-    # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
-    a_scale_2d = scatter_layout(a_scale, dim, world).a_2d if rowwise else a_scale
-    b = column_major(b)
     mode = "rowwise" if rowwise else "tensorwise"
-    shape_key = (f"{str(a.dtype).removeprefix('torch.')}-{mode}", lay.a_2d.shape[0], b.shape[1], b.shape[0])
+    shape_key = (f"{str(a.dtype).removeprefix('torch.')}-{mode}", matmul_rows(a, dim, world, gather=False), b.shape[1],
+                 b.shape[0])
     chosen, ws = choose("scaled_matmul_reduce_scatter", strategy, group, a.device, shape_key)
-    args = (lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum)
+
+    def args():
+        lay = scatter_layout(a, dim, world)
+        # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
+        a_scale_2d = scatter_layout(a_scale, dim, world).a_2d if rowwise else a_scale
+        return (lay, a_scale_2d, column_major(b), b_scale, out_dtype, reduce_op, bias, use_fast_accum)
+
     if chosen == "ring":
-        def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
+        def ring_reduce_scatter(produce, chunk_shape) -> torch.Tensor:
             return ring_produce_and_reduce_scatter(group, produce, chunk_shape, out_dtype, a.device, reduce_op)
 
-        return _pipelined(reduce_scatter, group.rank(), *args)
+        return _pipelined(ring_reduce_scatter, group.rank(), *args())
     if ws is None or chosen == "serial":
-        return scaled_matmul_reduce_scatter_serial(
-            lay, a_scale_2d, b, b_scale, out_dtype, reduce_op, bias, use_fast_accum, group
-        )
+        return scaled_matmul_reduce_scatter_serial(*args()[:4], out_dtype, reduce_op, bias, use_fast_accum, group)
     ws.op = "scaled_matmul_reduce_scatter"
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
@@ -118,7 +120,14 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
         return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits)
 
-    return _pipelined(reduce_scatter, ws.rank, *args)
+    def body():
+        return _pipelined(reduce_scatter, ws.rank, *args())
+
+    if graphs.usable(ws):
+        key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
+               tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
+        return graphs.call(ws, key, body)
+    return body()
 
 
 @_scaled_matmul_reduce_scatter_op.register_fake

@@ -3,8 +3,17 @@
 Peer buffers are plain device pointers in this process, so `dst.copy_(peer_view)` is a
 cudaMemcpyAsync that runs on a copy engine and leaves every SM to the matmuls. Barriers and
 signals are stream memory operations on flags in the signal pad (streamops.py: no SM, a few
-microseconds of host time each); during CUDA-graph capture, and where the driver lacks them or
-ASYNCTP_SIGNALS=torch, torch's stream-ordered signal-pad kernels. Multicast is never used.
+microseconds of host time each). Where the driver lacks them, with ASYNCTP_SIGNALS=torch, and
+in a CUDA graph the caller captures, torch's stream-ordered signal-pad kernels: those time out on
+their own, unwatched (asynctp's own graphs, ops/graphs.py, capture the stream operations and the
+watchdog watches their replays). Multicast is never used.
+
+Flags are set by the peer and reset by their owner after the wait. A flag's next set must come
+after its reset; the pipelines (ops/pipeline.py) order it so: every op opens with barrier 0, and
+after it each rank waits for something every peer issued after its own barrier-0 reset (the
+closing barrier 1 of an all-gather, the pushed blocks' signals of a reduce-scatter); the next
+op's barrier-0 set is issued after those waits, and the signals of the next op after its
+barrier 0.
 """
 
 from __future__ import annotations
@@ -50,9 +59,8 @@ class CudaWorkspace(Workspace):
         self.pending: watchdog.Pending | None = None  # the last wait enqueued (see watchdog.py)
         self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
-        # the last value written to each peer flag / awaited on each own flag, by address
-        self._sent: dict[int, int] = {}
-        self._awaited: dict[int, int] = {}
+        self._awaited: set[int] = set()  # addresses of own flags a wait was enqueued on
+        self.own_capture = False  # set by ops/graphs.py while it captures a call
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
         # made now: when the watchdog needs them, this process's streams may all be stuck
@@ -72,8 +80,7 @@ class CudaWorkspace(Workspace):
         self._bufs = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(self.world_size)]
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
-        # a fresh signal pad is zeroed: every flag's count starts again (all ranks grow together)
-        self._sent, self._awaited = {}, {}
+        self._awaited = set()  # a fresh signal pad is zeroed
         self._flags, why = _flag_region(handle, self.world_size)
         self._ops = streamops.load() if self._flags is not None else None
         if self._ops is None:
@@ -83,13 +90,13 @@ class CudaWorkspace(Workspace):
 
     def uses_stream_ops(self) -> bool:
         """Whether the next barrier/signal is a stream memory operation (see streamops.py)."""
-        return self._ops is not None and not torch.cuda.is_current_stream_capturing()
+        return self._ops is not None and (self.own_capture or not torch.cuda.is_current_stream_capturing())
 
     def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
         out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
-        stream of its own, every flag of this rank's pad that a wait was enqueued on is set to the
-        last value awaited, so no stream stays stuck (a device-side error alone leaves a
+        stream of its own, every flag of this rank's pad that a wait was enqueued on is set, so
+        no stream stays stuck (a device-side error alone leaves a
         front-end wait, and every synchronize, hanging), then a device-side assert fires,
         microseconds later, long before the work after a wait can finish. Every later CUDA call
         in the process raises."""
@@ -97,21 +104,14 @@ class CudaWorkspace(Workspace):
             return
         stream, false = self._abort
         if self._ops is not None:
-            for address, value in list(self._awaited.items()):
-                self._ops.write(stream.cuda_stream, address, value)
+            for address in list(self._awaited):
+                self._ops.write(stream.cuda_stream, address, 1)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
 
     def _flag(self, kind: int, channel: int, src: int) -> int:
         """Byte offset in a signal pad of the flag that `src` sets for (kind, channel)."""
         return self._flags[1] + 4 * ((kind * FLAG_CHANNELS + channel) * self.world_size + src)
-
-    @staticmethod
-    def _next(counts: dict[int, int], address: int) -> int:
-        """The flag at `address`'s next value (every write to a flag is matched by one wait on it,
-        so both sides count alike)."""
-        value = counts[address] = counts.get(address, 0) + 1
-        return value
 
     def _raw(self, rank: int) -> torch.Tensor:
         return self._bufs[rank]
@@ -126,11 +126,16 @@ class CudaWorkspace(Workspace):
 
     def _watch(self, what: str, peer: int | None, seconds: float) -> bool:
         """Record a wait for the watchdog; returns whether it is a stream memory operation.
-        Waits recorded into a CUDA graph run at replay, unseen by the host: not watched."""
+        A wait captured into a CUDA graph runs at replay: ops/graphs.py watches the replay."""
         if torch.cuda.is_current_stream_capturing():
-            return False
+            return self._ops is not None and self.own_capture
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
+
+    def _wait_reset(self, stream: int, address: int) -> None:
+        self._awaited.add(address)
+        self._ops.wait(stream, address, 1)
+        self._ops.write(stream, address, 0)
 
     def barrier(self, channel: int = 0, timeout: float | None = None) -> None:
         self._check_channel(channel)
@@ -144,11 +149,10 @@ class CudaWorkspace(Workspace):
         mine = self._flag(0, channel, rank)
         for peer in range(self.world_size):
             if peer != rank:
-                ops.write(stream, pads[peer] + mine, self._next(self._sent, pads[peer] + mine))
+                ops.write(stream, pads[peer] + mine, 1)
         for peer in range(self.world_size):
             if peer != rank:
-                address = pads[rank] + self._flag(0, channel, peer)
-                ops.wait(stream, address, self._next(self._awaited, address))
+                self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer))
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._check_channel(channel)
@@ -156,8 +160,7 @@ class CudaWorkspace(Workspace):
             self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._ms(None))
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        address = self._flags[0][dst_rank] + self._flag(1, channel, self.rank)
-        self._ops.write(stream, address, self._next(self._sent, address))
+        self._ops.write(stream, self._flags[0][dst_rank] + self._flag(1, channel, self.rank), 1)
 
     def wait_signal(self, src_rank: int, channel: int = 0, timeout: float | None = None) -> None:
         self._check_channel(channel)
@@ -166,8 +169,7 @@ class CudaWorkspace(Workspace):
             self._handle.wait_signal(src_rank, channel=channel, timeout_ms=int(seconds * 1000))
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        address = self._flags[0][self.rank] + self._flag(1, channel, src_rank)
-        self._ops.wait(stream, address, self._next(self._awaited, address))
+        self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))
 
 
 def _flag_region(handle, world_size: int) -> tuple[tuple[list[int], int] | None, str | None]:

@@ -9,14 +9,18 @@ kernel does, and cannot start while a persistent GEMM holds them all), and enque
 the host a few microseconds. Nothing is compiled: the driver's C entry points are called directly.
 
 The flags live in the workspace's signal pad (peer-mapped, zeroed at allocation), in a region
-torch's own signal kernels do not touch. Values only grow (a host counter per flag), and the
-wait is the driver's cyclic >= comparison, so no flag is ever reset and a fast peer that signals
-twice before the first wait is seen is no race: its second signal implies the first.
+torch's own signal kernels do not touch. A flag is set (1) by the peer and, once waited for,
+reset (0) by its owner, so the same operations replay correctly from a captured CUDA graph (a
+counter's values would be baked into the graph) and eager and replayed calls interoperate
+across ranks. Set/reset needs every reuse of a flag to be ordered after the owner's reset: the
+pipelines guarantee it (each op opens with a barrier and, after it, makes every rank wait for
+something each peer did after that barrier; see symm/cuda.py). Two bare barriers in a row on
+one channel do not (a fast peer's second set can land before the first reset and be lost).
 
 A stream wait has no timeout of its own: asynctp's watchdog (watchdog.py) enforces it, naming
 the wait and then aborting the CUDA context with a device-side assert, as torch's signal kernels
-trap on theirs. Not used during CUDA-graph capture (torch's kernels are, there: they reset their
-flags and so replay correctly; host counters baked into a graph would not).
+trap on theirs. Capturing these operations into a CUDA graph and replaying them, interleaved
+with eager rounds, was checked on 2xH200 (benchmarks/probe_capture.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 __all__ = ["StreamOps", "load", "unavailable_reason"]
 
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0, cyclic
+_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ: *addr == value
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a stream-scoped memory fence before the write
 
 _loaded: StreamOps | None = None
@@ -50,8 +54,8 @@ class StreamOps:
             raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
 
     def wait(self, stream: int, address: int, value: int) -> None:
-        """Enqueue on `stream`: wait until *address >= value (cyclic, 32-bit)."""
-        rc = self._wait(stream, address, value & 0xFFFFFFFF, _WAIT_GEQ)
+        """Enqueue on `stream`: wait until *address == value."""
+        rc = self._wait(stream, address, value & 0xFFFFFFFF, _WAIT_EQ)
         if rc:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {rc}")
 

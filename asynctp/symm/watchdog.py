@@ -1,19 +1,20 @@
 """Names a stuck device-side wait, and enforces the timeout of the waits that have none.
 
 On the cuda backend a barrier or signal wait is either a stream memory operation (streamops.py:
-the GPU's front end waits, with no timeout of its own) or, during graph capture, torch's kernel
+the GPU's front end waits, with no timeout of its own) or, in a graph the caller captures, torch's kernel
 that spins and traps after its timeout, which kills the CUDA context with an error that names
 nothing. Each wait records, on the host, what it waits for (op, kind, peer, channel, when it was
 issued); a daemon thread checks every workspace with a wait in flight and, once a wait is older
 than its timeout while the op's completion event has not fired, writes one line to stderr (and
 the log) naming the op, the rank, the peer and the signal. For a stream wait it then aborts the
-CUDA context itself (CudaWorkspace.abort_device: every awaited flag value written, so no
+CUDA context itself (CudaWorkspace.abort_device: every awaited flag set, so no
 stream stays stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
 process raises instead of hanging.
 
-Not covered: waits replayed from a captured CUDA graph (the host does not see them; those are
-torch's kernels, which trap on their own). Verified on 2xH200 by
-tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
+A call replayed from asynctp's own CUDA graph (ops/graphs.py) is watched as one wait, "the
+barriers and signals of a CUDA-graph replay", with the same abort. Not covered: waits in a graph
+the caller captured (torch's kernels are used there, which trap on their own). Verified on 2xH200
+by tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
 tested on fakes in tests/unit/test_watchdog.py.
 """
 

@@ -159,6 +159,8 @@ class Workspace(abc.ABC):
         self.op = "workspace"  # the op in progress, named in timeout errors
         self.nbytes = 0
         self._views: dict[tuple, torch.Tensor] = {}  # get_buffer results, dropped on growth
+        self.generation = 0  # bumped when the buffers are replaced (captured graphs go stale)
+        self.graphs: Any = None  # asynctp.ops.graphs.GraphCache, made on first use
 
     # -- buffers ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -182,6 +184,7 @@ class Workspace(abc.ABC):
         # Round up so a run of slowly growing shapes does not rendezvous at every call.
         self._views.clear()
         self._grow(max(nbytes, 2 * self.nbytes, 1 << 20))
+        self.generation += 1
 
     def reserve(self, nbytes: int) -> None:
         """Size the buffers up front (needed before CUDA-graph capture). Collective."""

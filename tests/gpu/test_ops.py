@@ -54,3 +54,8 @@ def test_group_without_workspace_warns_and_uses_the_ring(pool):
 
 def test_low_contention_collectives(pool):
     assert pool.run(cases.low_contention_collectives, DEVICE)[0] == 10
+
+
+def test_pipelined_calls_replayed_from_cuda_graphs(pool):
+    counts = pool.run(cases.graph_replays)
+    print(counts)

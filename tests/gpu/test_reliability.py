@@ -39,20 +39,24 @@ def test_ops_on_two_streams_are_serialized(pool):
     pool.run(cases_reliability.ops_on_two_streams)
 
 
-@pytest.mark.parametrize("signals", ["streamops", "torch"])
+@pytest.mark.parametrize("signals", ["streamops", "torch", "streamops-replay"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_stuck_device_wait_is_named_before_the_trap(op, signals, monkeypatch):
     # streamops: the GPU's front end waits and the watchdog aborts the context; torch: torch's
-    # wait kernel traps on its own timeout
-    monkeypatch.setenv("ASYNCTP_SIGNALS", signals)
+    # wait kernel traps on its own timeout; streamops-replay: the stuck call is a replay of
+    # asynctp's CUDA graph, whose waits the watchdog knows only as "the replay's"
+    monkeypatch.setenv("ASYNCTP_SIGNALS", signals.removesuffix("-replay"))
     pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
     try:
-        outcomes = pool.run_outcomes(cases_reliability.peer_skips_op_cuda, op)
+        outcomes = pool.run_outcomes(cases_reliability.peer_skips_op_cuda, op, signals.endswith("-replay"))
     finally:
         pool.close()
     kind, message = outcomes[0]
     assert kind == "ok", outcomes[0]
     name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
-    for part in (f"asynctp {name}", "rank 0 of group", "the GPU has waited over 3 s", "ASYNCTP_TIMEOUT",
-                 "synchronize raised"):
+    parts = [f"asynctp {name}", "rank 0 of group", "the GPU has waited over 3 s", "ASYNCTP_TIMEOUT",
+             "synchronize raised"]
+    if signals.endswith("-replay"):
+        parts += ["CUDA-graph replay", "| replayed"]
+    for part in parts:
         assert part in message, (part, message)

@@ -23,12 +23,70 @@ def fake_lib(rc: int = 0):
     return lib, calls
 
 
-def test_the_v2_entry_points_are_used_and_values_wrap_at_32_bits():
+def test_the_v2_entry_points_are_used_with_an_equality_wait_and_a_fenced_write():
     lib, calls = fake_lib()
     ops = streamops.StreamOps(lib)
-    ops.write(7, 4096, 5)
-    ops.wait(7, 4100, 2**32 + 3)
-    assert calls == [("write_v2", 7, 4096, 5, 0), ("wait_v2", 7, 4100, 3, 0)]  # GEQ wait, fenced write
+    ops.write(7, 4096, 1)
+    ops.wait(7, 4100, 1)
+    assert calls == [("write_v2", 7, 4096, 1, 0), ("wait_v2", 7, 4100, 1, 1)]  # fenced write, EQ wait
+
+
+class RecordingOps:
+    def __init__(self):
+        self.calls = []
+
+    def write(self, stream, address, value):
+        self.calls.append(("write", address, value))
+
+    def wait(self, stream, address, value):
+        self.calls.append(("wait", address, value))
+
+
+def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=False):
+    """A CudaWorkspace with its flags at pad addresses 1000 * (r + 1), offset 0, and stream ops
+    that record what they would enqueue (no CUDA needed)."""
+    cuda = pytest.importorskip("asynctp.symm.cuda")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    ws = object.__new__(cuda.CudaWorkspace)
+    ws.rank, ws.world_size, ws.op, ws.pending = rank, world, "test", None
+    ws.device = SimpleNamespace(index=0)
+    ws._ops, ws._flags, ws._awaited, ws.own_capture = RecordingOps(), ([1000, 2000, 3000], 0), set(), own_capture
+    ws._handle = SimpleNamespace(barrier=lambda **kw: ws._ops.calls.append(("torch barrier", kw["channel"])))
+    return ws, cuda
+
+
+def test_a_barrier_sets_each_peers_flag_then_waits_for_and_resets_its_own(monkeypatch):
+    ws, cuda = fake_workspace(monkeypatch, rank=1)
+    ws.barrier(channel=1)
+    flag = lambda src: 4 * ((0 * cuda.FLAG_CHANNELS + 1) * 3 + src)  # noqa: E731
+    assert ws._ops.calls == [
+        ("write", 1000 + flag(1), 1), ("write", 3000 + flag(1), 1),  # rank 1's flag in 0's and 2's pads
+        ("wait", 2000 + flag(0), 1), ("write", 2000 + flag(0), 0),  # own pad: 0's flag, reset
+        ("wait", 2000 + flag(2), 1), ("write", 2000 + flag(2), 0),
+    ]
+    assert ws._awaited == {2000 + flag(0), 2000 + flag(2)} and ws.pending.what == "barrier channel 1"
+
+
+def test_a_signal_is_a_set_and_its_wait_resets_it(monkeypatch):
+    ws, cuda = fake_workspace(monkeypatch, rank=0)
+    ws.put_signal(2, channel=3)
+    ws.wait_signal(1, channel=3)
+    flag = lambda src: 4 * ((1 * cuda.FLAG_CHANNELS + 3) * 3 + src)  # noqa: E731
+    assert ws._ops.calls == [("write", 3000 + flag(0), 1), ("wait", 1000 + flag(1), 1), ("write", 1000 + flag(1), 0)]
+    assert ws.pending.peer == 1
+
+
+def test_asynctps_own_capture_uses_the_stream_ops_and_a_callers_capture_torchs_kernels(monkeypatch):
+    ws, _ = fake_workspace(monkeypatch, capturing=True, own_capture=True)
+    ws.barrier(channel=0)
+    assert [c[0] for c in ws._ops.calls] == ["write", "write", "wait", "write", "wait", "write"]
+    assert ws.pending is None  # a captured wait runs at replay: graphs.py watches the replay
+    ws, _ = fake_workspace(monkeypatch, capturing=True, own_capture=False)
+    ws.barrier(channel=0)
+    assert ws._ops.calls == [("torch barrier", 0)] and ws.pending is None
 
 
 def test_a_driver_error_raises_naming_the_call():

@@ -1,0 +1,320 @@
+"""Eager pipelined calls replayed from CUDA graphs, captured per call signature.
+
+Why: an eager pipelined call issues 10-40 launches (copies, GEMMs, events, stream switches,
+barriers). On 2xH200 (benchmarks/probe_host.py, third session) that took the host 340-550 us per
+call, longer than the GPU work it issued (200-370 us at the seed shapes' M 4096), so the GPU idled
+between launches and the eager pipeline lost to serial although its CUDA-graphed replay beat
+serial by 1.3-1.5x. Replaying a captured graph costs the host about 10 us.
+
+How: a call's key is its op, every input tensor's address, shape, strides and dtype, its scalar
+arguments and the settings that shape the pipeline. A key's first call runs eagerly (it also
+warms cuBLAS and sizes the workspace); its second is captured into a CUDA graph (on a capture
+stream, nothing runs during capture) and replayed; later calls replay. A graph reads its inputs
+where the key says they are, so a replay sees their current contents (a weight updated in place
+is read anew); it writes its outputs into memory of its own (a private pool). Outputs are never
+overwritten while the caller holds them: a graph is replayed only when no tensor outside the
+cache shares its outputs' storage (torch's storage use count); otherwise another graph is
+captured for the key (up to MAX_PER_KEY), or the call runs eagerly.
+
+Safe across ranks: barriers and signals are the same flags, set and reset, whether eager or
+replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or captures. A workspace
+that grows (a new buffer, new flags) drops its graphs; every rank grows at the same call.
+
+Not used: on CPU, during a capture by the caller (the call is captured into the caller's graph
+instead), under torch.compile's tracing, and with ASYNCTP_GRAPHS=0. Inputs at new addresses on
+every call are never captured (a key is captured at its second call); a shape whose graphs keep
+being dropped unreplayed (more live keys than graphs allowed) is no longer captured after
+WASTED_PER_SHAPE such drops, with one warning.
+
+Memory: each graph keeps its intermediates (e.g. the gathered rows, a reduce-scatter's partials)
+and its outputs allocated; at most ASYNCTP_MAX_GRAPHS (default 64) graphs per workspace, least
+recently used dropped first. clear() drops them all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asynctp.config import warn_once
+from asynctp.symm import watchdog
+
+__all__ = ["enabled", "usable", "settings", "tensor_key", "call", "clear", "stats", "GraphCache"]
+
+_ENV = "ASYNCTP_GRAPHS"
+_MAX_ENV = "ASYNCTP_MAX_GRAPHS"
+MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
+MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
+WASTED_PER_SHAPE = 8  # graphs of a shape dropped before any replay: then that shape runs eagerly
+_SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent forgotten
+
+_use_count = torch._C._storage_Use_Count
+
+
+def enabled() -> bool:
+    return os.environ.get(_ENV, "1") not in ("0", "")
+
+
+def usable(ws: Any) -> bool:
+    """Whether this call may go through the graph cache of `ws`."""
+    return (
+        ws is not None
+        and ws.backend == "cuda"
+        and enabled()
+        and not torch.cuda.is_current_stream_capturing()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def settings() -> tuple:
+    """The environment settings a pipelined call reads while it is captured."""
+    return (os.environ.get("ASYNCTP_SM_CARVEOUT"),)
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What of a tensor a captured graph depends on: where it is and how it is laid out."""
+    if t is None:
+        return None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
+    """(tensors, spec) of an op's result: a tensor, or (tensor or None, [tensors])."""
+    if isinstance(result, torch.Tensor):
+        return [result], None
+    first, outs = result
+    return ([] if first is None else [first]) + list(outs), first is not None
+
+
+def _unflatten(tensors: list[torch.Tensor], spec: Any) -> Any:
+    if spec is None:
+        return tensors[0]
+    return (tensors[0], tensors[1:]) if spec else (None, tensors)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor (not a view: no _base) on t's storage; it raises t's storage use count."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+class _Entry:
+    """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
+
+    __slots__ = ("replay", "outs", "spec", "storages", "replays")
+
+    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any) -> None:
+        self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
+        # (StorageImpl pointer, its use count while only this entry holds it) per storage
+        seen: dict[int, int] = {}
+        for t in outs:
+            cdata = t.untyped_storage()._cdata
+            seen[cdata] = _use_count(cdata)
+        self.storages = list(seen.items())
+
+    def free(self) -> bool:
+        """No tensor outside this entry shares an output's storage: a replay may overwrite them."""
+        for cdata, baseline in self.storages:
+            if _use_count(cdata) > baseline:
+                return False
+        return True
+
+    def result(self) -> Any:
+        return _unflatten([_alias(t) for t in self.outs], self.spec)
+
+
+def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+    """Capture body() into a CUDA graph on the cache's capture stream; (graph.replay, result)."""
+    caller = torch.cuda.current_stream()
+    stream = cache.capture_stream()
+    stream.wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    ws = cache.ws
+    with torch.cuda.stream(stream):
+        # thread_local: the watchdog thread's event queries must not invalidate the capture
+        graph.capture_begin(capture_error_mode="thread_local")
+        ws.own_capture = True  # barriers and signals: the stream operations eager calls use
+        try:
+            result = body()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001  (the capture is already invalid)
+                pass
+            raise
+        finally:
+            ws.own_capture = False
+        graph.capture_end()
+    return graph.replay, result
+
+
+class GraphCache:
+    """The captured calls of one workspace (see the module docstring)."""
+
+    def __init__(self, ws: Any, capture: Callable | None = None) -> None:
+        self.ws = ws
+        self._capture = capture or _cuda_capture
+        self._generation = ws.generation
+        self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._shapes: dict[tuple, list[int]] = {}  # shape signature -> [captures, replays, wasted]
+        self._off: set[tuple] = set()  # shape signatures that run eagerly from now on
+        self._stream: torch.cuda.Stream | None = None
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.ws.device)
+            # cuBLAS(Lt) sets up a stream's workspace on its first GEMM there: not during capture
+            with torch.cuda.stream(self._stream):
+                x = torch.zeros((16, 16), device=self.ws.device, dtype=torch.bfloat16)
+                torch.mm(x, x)
+                if torch.cuda.get_device_capability(self.ws.device) >= (8, 9):
+                    f8 = x.to(torch.float8_e4m3fn)
+                    one = torch.ones((), device=self.ws.device)
+                    try:
+                        torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16)
+                    except RuntimeError:  # no fp8 GEMM in this build: no fp8 op will be captured
+                        pass
+            torch.cuda.current_stream(self.ws.device).wait_stream(self._stream)
+        return self._stream
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._seen.clear()
+        self._shapes.clear()
+
+    def _count(self) -> int:
+        return sum(len(v) for v in self._entries.values())
+
+    def call(self, key: tuple, shape: tuple, body: Callable[[], Any]) -> Any:
+        """body()'s result, from a replay where possible. key: everything the call depends on
+        (tensor_key() of each input, scalars, settings); shape: key without the addresses."""
+        ws = self.ws
+        if ws.generation != self._generation:  # the buffers (and flags) were replaced
+            self.clear()
+            self._generation = ws.generation
+        entries = self._entries.get(key)
+        if entries is not None:
+            self._entries.move_to_end(key)
+            for entry in entries:
+                if entry.free():
+                    return self._replay(entry, shape)
+        if shape in self._off or (entries is None and key not in self._seen) or (
+            entries is not None and len(entries) >= MAX_PER_KEY
+        ):
+            if entries is None:
+                self._seen[key] = None
+                if len(self._seen) > _SEEN_KEYS:
+                    self._seen.popitem(last=False)
+            self.counts["eager"] += 1
+            return body()
+        self._seen.pop(key, None)
+        stats = self._shapes.setdefault(shape, [0, 0, 0])
+        if stats[2] >= WASTED_PER_SHAPE:
+            self._off.add(shape)
+            for k in [k for k in self._entries if _strip(k) == shape]:
+                del self._entries[k]
+            warn_once(
+                f"graphs-off:{shape}",
+                f"asynctp {key[0]}: {stats[2]} CUDA graphs of shape {shape[1:]} were dropped before any "
+                f"replay (more calls with distinct inputs than {_MAX_ENV}={MAX_GRAPHS}): calls of this "
+                f"shape run eagerly from now on (host-bound at small sizes); raise {_MAX_ENV}, or set "
+                f"{_ENV}=0 to never capture",
+            )
+            self.counts["eager"] += 1
+            return body()
+        try:
+            replay, result = self._capture(self, body)
+        except Exception as exc:  # noqa: BLE001
+            self._off.add(shape)
+            warn_once(
+                f"graphs-failed:{key[0]}",
+                f"asynctp {key[0]}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
+                f"calls of this shape run eagerly (host-bound at small sizes); {_ENV}=0 skips capture",
+            )
+            self.counts["eager"] += 1
+            return body()
+        outs, spec = _flatten(result)
+        del result
+        entry = _Entry(replay, outs, spec)
+        self._entries.setdefault(key, []).append(entry)
+        self._entries.move_to_end(key)
+        stats[0] += 1
+        self.counts["captured"] += 1
+        while self._count() > MAX_GRAPHS:
+            oldest, old = next(iter(self._entries.items()))
+            if old.pop(0).replays == 0:
+                self._shapes.setdefault(_strip(oldest), [0, 0, 0])[2] += 1
+            if not old:
+                del self._entries[oldest]
+        return self._replay(entry, shape, captured=True)
+
+    def _replay(self, entry: _Entry, shape: tuple, captured: bool = False) -> Any:
+        ws = self.ws
+        lanes = ws.lanes
+        if lanes.is_cuda:
+            caller = torch.cuda.current_stream()
+            # ops on different streams share the workspace's bytes: serialized, as Lanes.fork does
+            if lanes._done is not None and lanes.caller is not None and caller != lanes.caller:
+                caller.wait_event(lanes._done)
+            entry.replay()
+            lanes.caller = lanes.active = caller
+            if lanes._done is None:
+                lanes._done = torch.cuda.Event()
+            lanes._done.record(caller)
+            if ws.uses_stream_ops():
+                ws.pending = watchdog.Pending(ws.op, "the barriers and signals of a CUDA-graph replay", None,
+                                              ws._timeout(None), abort=True)
+        else:
+            entry.replay()
+        if not captured:  # the replay right after the capture is the capturing call's own
+            entry.replays += 1
+            self._shapes[shape][1] += 1
+            self.counts["replayed"] += 1
+        return entry.result()
+
+
+def _strip(value: Any) -> Any:
+    """key without the addresses: tensor keys lose their data pointer."""
+    if isinstance(value, tuple):
+        if len(value) == 4 and isinstance(value[0], int) and isinstance(value[3], torch.dtype):
+            return value[1:]
+        return tuple(_strip(v) for v in value)
+    return value
+
+
+def cache_of(ws: Any) -> GraphCache:
+    cache = getattr(ws, "graphs", None)
+    if cache is None:
+        cache = ws.graphs = GraphCache(ws)
+    return cache
+
+
+def call(ws: Any, key: tuple, body: Callable[[], Any]) -> Any:
+    """Run a pipelined call through ws's graph cache (see the module docstring)."""
+    return cache_of(ws).call(key, _strip(key), body)
+
+
+def clear(ws: Any | None = None) -> None:
+    """Drop the captured graphs (of one workspace, or of every one this process made)."""
+    if ws is not None:
+        if getattr(ws, "graphs", None) is not None:
+            ws.graphs.clear()
+        return
+    from asynctp.symm import _workspaces
+
+    for w in _workspaces.values():
+        if w is not None and getattr(w, "graphs", None) is not None:
+            w.graphs.clear()
+
+
+def stats(ws: Any) -> dict[str, int]:
+    """Calls run eagerly / captured / replayed through ws's cache, and the graphs held."""
+    cache = getattr(ws, "graphs", None)
+    if cache is None:
+        return {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0}
+    return {**cache.counts, "graphs": cache._count()}

@@ -1,0 +1,160 @@
+"""The graph cache's bookkeeping (asynctp/ops/graphs.py) on CPU tensors, with a fake capture: the
+"graph" re-runs the body and copies its result into the outputs made at capture, as a CUDA graph
+writes into its own output memory. The CUDA capture itself is covered by tests/gpu."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asynctp.ops import graphs
+
+
+def fake_capture(cache, body):
+    result = body()
+    outs, _ = graphs._flatten(result)
+
+    def replay():
+        for out, new in zip(outs, graphs._flatten(body())[0]):
+            out.copy_(new)
+
+    return replay, result
+
+
+def make_cache():
+    ws = SimpleNamespace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu", op="test")
+    return graphs.GraphCache(ws, capture=fake_capture)
+
+
+def op(cache, x, w):
+    """A pipelined call's stand-in: (gathered, [x @ w]), keyed like the real ops."""
+    key = ("op", graphs.tensor_key(x), graphs.tensor_key(w))
+    return cache.call(key, graphs._strip(key), lambda: (torch.cat([x, x]), [torch.cat([x, x]) @ w]))
+
+
+def test_first_call_eager_second_captured_then_replayed_with_the_inputs_current_contents():
+    cache, x, w = make_cache(), torch.ones(2, 3), torch.eye(3)
+    for i in range(4):
+        x.fill_(i)  # same address, new contents: a replay must read them
+        gathered, (out,) = op(cache, x, w)
+        assert torch.equal(out, torch.full((4, 3), float(i))) and torch.equal(gathered, torch.full((4, 3), float(i)))
+        del gathered, out
+    assert cache.counts == {"eager": 1, "captured": 1, "replayed": 2}
+
+
+def test_outputs_the_caller_holds_are_never_overwritten():
+    cache, x, w = make_cache(), torch.ones(2, 3), torch.eye(3)
+    op(cache, x, w)  # eager
+    held = []
+    for i in range(graphs.MAX_PER_KEY + 2):
+        x.fill_(i)
+        held.append(op(cache, x, w)[1][0])
+    for i, out in enumerate(held):  # each one still holds its own call's result
+        assert torch.equal(out, torch.full((4, 3), float(i)))
+    assert cache.counts["captured"] == graphs.MAX_PER_KEY and cache.counts["eager"] == 1 + 2
+    assert len({o.data_ptr() for o in held}) == len(held)
+
+
+def test_a_released_output_is_reused_and_returned_tensors_are_not_views():
+    cache, x, w = make_cache(), torch.ones(2, 3), torch.eye(3)
+    op(cache, x, w)
+    first = op(cache, x, w)[1][0]
+    ptr = first.data_ptr()
+    assert first._base is None
+    del first
+    x.fill_(7)
+    again = op(cache, x, w)[1][0]
+    assert again.data_ptr() == ptr and torch.equal(again, torch.full((4, 3), 7.0))
+    assert cache.counts["replayed"] == 1 and cache.counts["captured"] == 1
+
+
+def test_a_view_of_an_output_keeps_it_held():
+    cache, x, w = make_cache(), torch.ones(2, 3), torch.eye(3)
+    op(cache, x, w)
+    view = op(cache, x, w)[1][0][1:]  # only a slice survives
+    x.fill_(5)
+    op(cache, x, w)
+    assert torch.equal(view, torch.ones(3, 3)) and cache.counts["captured"] == 2
+
+
+def test_a_grown_workspace_drops_its_graphs():
+    cache, x, w = make_cache(), torch.ones(2, 3), torch.eye(3)
+    op(cache, x, w), op(cache, x, w)
+    cache.ws.generation += 1
+    op(cache, x, w)
+    assert cache.counts == {"eager": 2, "captured": 1, "replayed": 0}
+
+
+def test_inputs_at_new_addresses_on_every_call_are_never_captured():
+    cache, w = make_cache(), torch.eye(3)
+    keep = []
+    for _ in range(20):
+        keep.append(torch.ones(2, 3))
+        op(cache, keep[-1], w)
+    assert cache.counts == {"eager": 20, "captured": 0, "replayed": 0}
+
+
+def test_a_shape_whose_graphs_are_dropped_unreplayed_stops_being_captured(monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 4)
+    cache, w = make_cache(), torch.eye(3)
+    xs = [torch.ones(2, 3) for _ in range(4 + graphs.WASTED_PER_SHAPE + 3)]
+    with pytest.warns(RuntimeWarning, match="dropped before any replay") as record:
+        for _ in range(2):  # a cycle longer than the cache: every graph is dropped before its replay
+            for x in xs:
+                op(cache, x, w)
+    assert len([r for r in record if "dropped before" in str(r.message)]) == 1
+    captured = cache.counts["captured"]
+    assert captured == 4 + graphs.WASTED_PER_SHAPE and cache.counts["replayed"] == 0
+    for x in xs[:3]:
+        for _ in range(2):
+            op(cache, x, w)
+    assert cache.counts["captured"] == captured and cache._count() == 0  # that shape runs eagerly now
+
+
+def test_a_failed_capture_warns_and_runs_eagerly():
+    def broken(cache, body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    ws = SimpleNamespace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu", op="test")
+    cache, x, w = graphs.GraphCache(ws, capture=broken), torch.ones(2, 3), torch.eye(3)
+    op(cache, x, w)
+    with pytest.warns(RuntimeWarning, match="capturing the pipelined call into a CUDA graph failed"):
+        out = op(cache, x, w)[1][0]
+    assert torch.equal(out, torch.ones(4, 3))
+    op(cache, x, w)
+    assert cache.counts == {"eager": 3, "captured": 0, "replayed": 0}
+
+
+def test_the_number_of_graphs_is_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 8)
+    cache, w = make_cache(), torch.eye(3)
+    xs = [torch.ones(2, 3) for _ in range(12)]
+    for x in xs:
+        for _ in range(3):  # seen, captured, replayed
+            op(cache, x, w)
+    assert cache._count() == 8 and cache.counts["replayed"] == 12
+    op(cache, xs[-1], w)  # still held: replayed
+    op(cache, xs[0], w)  # dropped: seen again, eagerly
+    assert cache.counts["replayed"] == 13 and cache.counts["eager"] == 13
+
+
+def test_a_single_tensor_result_round_trips():
+    cache, a = make_cache(), torch.arange(6.0).view(2, 3)
+    key = ("rs", graphs.tensor_key(a))
+    for _ in range(3):
+        out = cache.call(key, graphs._strip(key), lambda: a.sum(0))
+        assert isinstance(out, torch.Tensor) and torch.equal(out, torch.tensor([3.0, 5.0, 7.0]))
+        del out
+
+
+def test_keys_lose_only_the_addresses():
+    x = torch.ones(2, 3)
+    key = ("op", graphs.tensor_key(x), 0, (graphs.tensor_key(x), None), "sum")
+    assert graphs._strip(key) == ("op", (torch.Size([2, 3]), (3, 1), torch.float32), 0,
+                                  ((torch.Size([2, 3]), (3, 1), torch.float32), None), "sum")
+
+
+def test_disabled_by_the_environment(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_GRAPHS", "0")
+    assert not graphs.usable(SimpleNamespace(backend="cuda"))
+    assert not graphs.usable(None)
