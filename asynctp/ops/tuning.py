@@ -21,10 +21,10 @@ __all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays"]
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
 # Total matmul FLOPs under which a pipeline is not assumed to pay, without a tuning entry. On
-# 2xH200 (benchmarks/probe_pipeline.py) the pipeline beat serial at M 4096 and 8192 (N 3584,
-# K 8192) in every run, but at M 2048 only when the host was fast: there a call's GPU time
-# (~200 us) is close to its host time (~160 us), so "auto" stays serial unless tuned.
-_MIN_PIPELINE_FLOP = 2 * 4096 * 3584 * 8192
+# 2xH200 with eager calls replayed from CUDA graphs (ops/graphs.py; fourth session) the pipeline
+# beat serial at every seed shape from M 2048 (N 3584, K 8192), bf16 and fp8; before those
+# graphs, eager calls were host-bound and fp8 lost everywhere.
+_MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
 _table: dict[str, str] | None = None
 _picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
 
@@ -101,11 +101,7 @@ def pick(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
 
 
 def _rule(op: str, shape_key: tuple) -> str:
-    """The choice for a shape nobody measured. fp8: serial (on 2xH200 the fp8 pipeline lost
-    to serial at every seed shape: its GEMMs are half as long, so the fixed costs weigh double).
-    bf16/fp16/fp32: the pipeline from the M 4096 seed shape's FLOPs up."""
-    if "scaled" in op:
-        return "serial"
+    """The choice for a shape nobody measured: the pipeline from the M 2048 seed shape's FLOPs up."""
     _, m, n, k = shape_key
     return "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"
 
