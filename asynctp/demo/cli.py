@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--asynctp-pass", action="store_true",
                         help="add a run: vanilla TP compiled with asynctp's FX pass (asynctp.compile), the compiled path "
                              "for plans written with torch's styles; compare with --compile")
+    parser.add_argument("--serial-baseline", action="store_true",
+                        help="add a run: asynctp's styles with strategy='serial' (each collective, then its matmul: same "
+                             "numerics and fp8 recipe, nothing overlapped), and compare asynctp with it too")
     parser.add_argument("--control", action="store_true",
                         help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # torch's async-TP run goes last: it switches inductor's micro-pipeline pass on for the process
     variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]]
-    variants += [VARIANTS[name] for name, on in (("control", args.control), ("asynctp-pass", args.asynctp_pass),
+    variants += [VARIANTS[name] for name, on in (("asynctp-serial", args.serial_baseline), ("control", args.control),
+                                                 ("asynctp-pass", args.asynctp_pass),
                                                  ("torch-async-tp", args.torch_async_tp)) if on]
     print(f"asynctp demo: model {model_name} ({cfg.num_params() / 1e6:.1f}M params), {world} ranks over "
           f"{backend} on {device_type}, {settings.steps} steps, {str(settings.dtype).removeprefix('torch.')}"
@@ -209,6 +213,7 @@ def _hardware(world: int, device_type: str) -> str:
 
 def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_name: str, world: int, backend: str, device_type: str) -> None:
     from asynctp.demo.report import comparison, table, versions, write_json, write_png
+    from asynctp.demo.train import VARIANTS
 
     print()
     print(table(runs))
@@ -223,13 +228,23 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
             line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of vanilla's "
                      f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")
         print(line)
+    serial = [r for r in runs if r["name"] == VARIANTS["asynctp-serial"].name]
+    if serial:
+        c = comparison(serial[0], runs[1])
+        compared[f"{runs[1]['name']} vs {serial[0]['name']}"] = c
+        line = f"{runs[1]['name']} vs {serial[0]['name']}: speed-up {c['speedup']:.2f}x"
+        if "recovered_fraction_of_exposed_comm" in c:
+            line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of its "
+                     f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")
+        print(line)
     for r in runs:
         if r.get("fusion_report"):
             print(f"{r['name']}: {r['fusion_report']}")
     if any(r.get("fusion_report") for r in runs) and not settings.compile:
         print("note: vanilla TP and asynctp ran eagerly; add --compile to compare compiled with compiled")
     if settings.float8:
-        print(f"note: asynctp runs float8 {settings.float8}; vanilla TP runs {str(settings.dtype).removeprefix('torch.')}")
+        print(f"note: asynctp runs float8 {settings.float8}; vanilla TP runs {str(settings.dtype).removeprefix('torch.')}"
+              + ("; the not-overlapped run uses asynctp's float8 too" if serial else ""))
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = args.out / f"demo_{_hardware(world, device_type)}_{date}"
     record = {

@@ -23,7 +23,8 @@ __all__ = ["tp_plan", "parallelize"]
 
 
 def tp_plan(
-    num_layers: int, asynchronous: bool, float8: Any = None, save_gathered_input: bool = False, share_gathers: bool = True
+    num_layers: int, asynchronous: bool, float8: Any = None, save_gathered_input: bool = False, share_gathers: bool = True,
+    strategy: str = "auto",
 ) -> dict[str, ParallelStyle]:
     """{module path: style} for Transformer: activations between blocks are [B, S / R, D]
     (sequence-sharded), norms run on sequence shards, linears gather / reduce-scatter the sequence.
@@ -33,13 +34,15 @@ def tp_plan(
     weight gradient, as vanilla TP does, instead of re-gathering it in backward.
     share_gathers (async only): wq / wk / wv, and w1 / w3, share one gather per block
     (SharedGather); False gathers once per linear, as the vanilla plan does.
+    strategy (async only): the fused ops' strategy ("serial": the same ops, nothing overlapped).
     """
     if asynchronous:
         def colwise(shared_gather: SharedGather | None = None, **kw: Any) -> ParallelStyle:
             shared = shared_gather if share_gathers else None
-            return AsyncColwiseParallel(**kw, float8=float8, save_gathered_input=save_gathered_input, shared_gather=shared)
+            return AsyncColwiseParallel(**kw, float8=float8, save_gathered_input=save_gathered_input, shared_gather=shared,
+                                        strategy=strategy)
 
-        rowwise = lambda **kw: AsyncRowwiseParallel(**kw, float8=float8)  # noqa: E731
+        rowwise = lambda **kw: AsyncRowwiseParallel(**kw, float8=float8, strategy=strategy)  # noqa: E731
     else:
         if float8 is not None:
             raise ValueError(f"the vanilla plan requires float8=None (fp8 is asynctp's), got {float8!r}")
@@ -68,9 +71,9 @@ def tp_plan(
 
 def parallelize(
     model: Transformer, mesh: DeviceMesh, asynchronous: bool, float8: Any = None,
-    save_gathered_input: bool = False, share_gathers: bool = True,
+    save_gathered_input: bool = False, share_gathers: bool = True, strategy: str = "auto",
 ) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh` with the vanilla or the async plan."""
     model.cfg.check_tp(mesh.size())
-    plan = tp_plan(model.cfg.num_layers, asynchronous, float8, save_gathered_input, share_gathers)
+    plan = tp_plan(model.cfg.num_layers, asynchronous, float8, save_gathered_input, share_gathers, strategy)
     return parallelize_module(model, mesh, plan)

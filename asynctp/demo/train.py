@@ -31,11 +31,16 @@ class Variant:
     # training run, the yardstick for the gap between vanilla TP and asynctp
     perturb_init: bool = False
     asynctp_pass: bool = False  # torch.compile with asynctp's FX pass (asynctp.compile) on vanilla styles
+    strategy: str = "auto"  # asynctp's styles: the fused ops' strategy ("serial": nothing overlapped)
 
 
 VARIANTS = {
     "vanilla": Variant("vanilla TP", asynchronous=False),
     "asynctp": Variant("asynctp", asynchronous=True),
+    # asynctp's styles with every collective run before its matmul: the same numerics and fp8
+    # recipe as "asynctp", no overlap. The baseline of what overlap alone gains (vanilla TP has
+    # no fp8 of its own to compare an fp8 run with)
+    "asynctp-serial": Variant("asynctp, not overlapped", asynchronous=True, strategy="serial"),
     "torch-async-tp": Variant("torch async TP (compiled)", asynchronous=False, torch_async_tp=True),
     "control": Variant("vanilla TP, 1-ulp init change", asynchronous=False, perturb_init=True),
     "asynctp-pass": Variant("vanilla TP + asynctp pass (compiled)", asynchronous=False, asynctp_pass=True),
@@ -132,7 +137,7 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     float8 = settings.float8 if variant.asynchronous else None
     save = settings.save_gathered_input and float8 is None
     parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous,
-                share_gathers=settings.share_gathers)
+                share_gathers=settings.share_gathers, strategy=variant.strategy)
     if variant.torch_async_tp:
         _enable_torch_async_tp(mesh)
     if settings.compile or variant.torch_async_tp or variant.asynctp_pass:

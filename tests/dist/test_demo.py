@@ -25,17 +25,23 @@ def test_demo_refuses_gpu_only_flags_on_cpu(capsys):
     assert "--profile requires >= 2 GPUs" in capsys.readouterr().err
 
 
-def test_demo_extra_runs_control_and_asynctp_pass(tmp_path, capsys):
-    """--control (1-ulp init change) and --asynctp-pass (vanilla styles compiled with asynctp's
-    pass): both run, the pass reports what it fused, the curves stay with vanilla's (float32)."""
-    assert main(["demo", "--cpu", "--steps", "2", "--control", "--asynctp-pass", "--out", str(tmp_path)]) == 0
+def test_demo_extra_runs_serial_baseline_control_and_asynctp_pass(tmp_path, capsys):
+    """--serial-baseline (asynctp's styles, nothing overlapped), --control (1-ulp init change)
+    and --asynctp-pass (vanilla styles compiled with asynctp's pass): all run, asynctp is also
+    compared with the serial baseline, the pass reports what it fused, the curves stay with
+    vanilla's (float32)."""
+    assert main(["demo", "--cpu", "--steps", "2", "--serial-baseline", "--control", "--asynctp-pass",
+                 "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "(control: rounding alone)" in printed
+    assert "(control: rounding alone)" in printed and "asynctp vs asynctp, not overlapped: speed-up" in printed
     (path,) = tmp_path.glob("demo_2xcpu_*.json")
     record = json.loads(path.read_text())
     names = [r["name"] for r in record["runs"]]
-    assert names == ["vanilla TP", "asynctp", "vanilla TP, 1-ulp init change", "vanilla TP + asynctp pass (compiled)"]
-    passed = record["runs"][3]
+    assert names == ["vanilla TP", "asynctp", "asynctp, not overlapped", "vanilla TP, 1-ulp init change",
+                     "vanilla TP + asynctp pass (compiled)"]
+    assert record["comparison"]["asynctp, not overlapped"]["max_rel_loss_diff"] <= 1e-5
+    assert "asynctp vs asynctp, not overlapped" in record["comparison"]
+    passed = record["runs"][4]
     assert passed["fusion_report"].startswith("asynctp fusion report:") and " 0 fused" not in passed["fusion_report"]
     assert record["comparison"]["vanilla TP + asynctp pass (compiled)"]["max_rel_loss_diff"] <= 1e-5
 
