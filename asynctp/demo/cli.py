@@ -238,6 +238,11 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
                      f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")
         print(line)
     for r in runs:
+        calls = r.get("graph_calls") or {}
+        if any(calls.values()):
+            print(f"{r['name']}: pipelined calls (rank 0) {calls['eager']} eager, {calls['captured']} captured into "
+                  f"CUDA graphs, {calls['replayed']} replayed")
+    for r in runs:
         if r.get("fusion_report"):
             print(f"{r['name']}: {r['fusion_report']}")
     if any(r.get("fusion_report") for r in runs) and not settings.compile:

@@ -73,6 +73,7 @@ class RunResult:
     peak_memory_bytes: int | None = None
     profile: dict[str, float] | None = None
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
+    graph_calls: dict[str, int] | None = None  # pipelined calls run eagerly / captured / replayed
 
 
 def train(
@@ -100,6 +101,12 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
     result = RunResult(variant.name)
+    from asynctp.ops import graphs
+    from asynctp.symm import get_workspace
+
+    graphs.clear()  # a run neither reuses nor holds (in its peak memory) an earlier run's graphs
+    workspace = get_workspace(mesh.get_group(), device) if device.type == "cuda" else None
+    before = graphs.stats(workspace)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(settings.steps):
@@ -115,6 +122,8 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
             on_step(step, loss, seconds)
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+    after = graphs.stats(workspace)
+    result.graph_calls = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
     if settings.profile_steps:
         from asynctp.demo.profile import profile_steps
 
@@ -199,6 +208,7 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "step_time_s": step_time,
         "tokens_per_s": tokens / step_time,
         "peak_memory_bytes": result.peak_memory_bytes,
+        "graph_calls": result.graph_calls,
         "final_loss": result.losses[-1],
         "final_loss_mean5": sum(tail) / len(tail),
         "losses": result.losses,

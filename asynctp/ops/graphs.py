@@ -186,6 +186,7 @@ class GraphCache:
         self._entries.clear()
         self._seen.clear()
         self._shapes.clear()
+        self._off.clear()
 
     def _count(self) -> int:
         return sum(len(v) for v in self._entries.values())
