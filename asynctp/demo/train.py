@@ -74,6 +74,7 @@ class RunResult:
     profile: dict[str, float] | None = None
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
     graph_calls: dict[str, int] | None = None  # pipelined calls run eagerly / captured / replayed
+    graph_calls_last_step: dict[str, int] | None = None  # the same, of the last step alone
 
 
 def train(
@@ -109,7 +110,10 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
     before = graphs.stats(workspace)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    last = before
     for step in range(settings.steps):
+        if step == settings.steps - 1:
+            last = graphs.stats(workspace)
         tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
         _sync(device)
         start = time.perf_counter()
@@ -124,6 +128,7 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     after = graphs.stats(workspace)
     result.graph_calls = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
+    result.graph_calls_last_step = {k: after[k] - last[k] for k in ("eager", "captured", "replayed")}
     if settings.profile_steps:
         from asynctp.demo.profile import profile_steps
 
@@ -209,6 +214,7 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "tokens_per_s": tokens / step_time,
         "peak_memory_bytes": result.peak_memory_bytes,
         "graph_calls": result.graph_calls,
+        "graph_calls_last_step": result.graph_calls_last_step,
         "final_loss": result.losses[-1],
         "final_loss_mean5": sum(tail) / len(tail),
         "losses": result.losses,
