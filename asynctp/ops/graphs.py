@@ -22,9 +22,11 @@ that grows (a new buffer, new flags) drops its graphs; every rank grows at the s
 
 Not used: on CPU, during a capture by the caller (the call is captured into the caller's graph
 instead), under torch.compile's tracing, and with ASYNCTP_GRAPHS=0. Inputs at new addresses on
-every call are never captured (a key is captured at its second call); a shape whose graphs keep
-being dropped unreplayed (more live keys than graphs allowed) is no longer captured after
-WASTED_PER_SHAPE such drops, with one warning.
+every call are never captured (a key is captured at its second call). A shape with
+WASTED_PER_SHAPE graphs that were never replayed (dropped unreplayed, or left unreplayed while
+many calls of the shape went by: inputs whose addresses recur only now and then, as fp8 tensors
+quantized afresh at every call did in the fp8 demo) is no longer captured, with one warning:
+capturing costs milliseconds of host time, more than an eager call.
 
 Memory: each graph keeps its intermediates (e.g. the gathered rows, a reduce-scatter's partials)
 and its outputs allocated; at most ASYNCTP_MAX_GRAPHS (default 64) graphs per workspace, least
@@ -104,10 +106,11 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 class _Entry:
     """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
 
-    __slots__ = ("replay", "outs", "spec", "storages", "replays")
+    __slots__ = ("replay", "outs", "spec", "storages", "replays", "born")
 
-    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any) -> None:
+    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, born: int = 0) -> None:
         self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
+        self.born = born  # calls of its shape before it was captured
         # (StorageImpl pointer, its use count while only this entry holds it) per storage
         seen: dict[int, int] = {}
         for t in outs:
@@ -160,7 +163,8 @@ class GraphCache:
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
-        self._shapes: dict[tuple, list[int]] = {}  # shape signature -> [captures, replays, wasted]
+        # shape signature -> [captures, replays, graphs dropped unreplayed, calls]
+        self._shapes: dict[tuple, list[int]] = {}
         self._off: set[tuple] = set()  # shape signatures that run eagerly from now on
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
@@ -188,6 +192,15 @@ class GraphCache:
         self._shapes.clear()
         self._off.clear()
 
+    def _stale(self, shape: tuple, calls: int) -> int:
+        """Graphs of `shape` never replayed although more calls of that shape came since their
+        capture than there are graphs of the shape (+4): a loop that calls each of its keys once
+        per iteration brings a key back within that many calls (two alternating address sets
+        too: both are captured by then)."""
+        mine = [e for k, entries in self._entries.items() if _strip(k) == shape for e in entries]
+        horizon = len(mine) + 4
+        return sum(1 for e in mine if e.replays == 0 and calls - e.born > horizon)
+
     def _count(self) -> int:
         return sum(len(v) for v in self._entries.values())
 
@@ -198,6 +211,10 @@ class GraphCache:
         if ws.generation != self._generation:  # the buffers (and flags) were replaced
             self.clear()
             self._generation = ws.generation
+        stats = self._shapes.get(shape)
+        if stats is None:
+            stats = self._shapes[shape] = [0, 0, 0, 0]
+        stats[3] += 1
         entries = self._entries.get(key)
         if entries is not None:
             self._entries.move_to_end(key)
@@ -214,17 +231,17 @@ class GraphCache:
             self.counts["eager"] += 1
             return body()
         self._seen.pop(key, None)
-        stats = self._shapes.setdefault(shape, [0, 0, 0])
-        if stats[2] >= WASTED_PER_SHAPE:
+        stale = self._stale(shape, stats[3])
+        if stats[2] + stale >= WASTED_PER_SHAPE:
             self._off.add(shape)
             for k in [k for k in self._entries if _strip(k) == shape]:
                 del self._entries[k]
             warn_once(
                 f"graphs-off:{shape}",
-                f"asynctp {key[0]}: {stats[2]} CUDA graphs of shape {shape[1:]} were dropped before any "
-                f"replay (more calls with distinct inputs than {_MAX_ENV}={MAX_GRAPHS}): calls of this "
-                f"shape run eagerly from now on (host-bound at small sizes); raise {_MAX_ENV}, or set "
-                f"{_ENV}=0 to never capture",
+                f"asynctp {key[0]}: {stats[2] + stale} CUDA graphs of shape {shape[1:]} were never replayed "
+                f"(their inputs did not come back at the same addresses, or more calls had distinct inputs "
+                f"than {_MAX_ENV}={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
+                f"small sizes); keep such inputs in persistent buffers, raise {_MAX_ENV}, or set {_ENV}=0",
             )
             self.counts["eager"] += 1
             return body()
@@ -241,7 +258,7 @@ class GraphCache:
             return body()
         outs, spec = _flatten(result)
         del result
-        entry = _Entry(replay, outs, spec)
+        entry = _Entry(replay, outs, spec, born=stats[3])
         self._entries.setdefault(key, []).append(entry)
         self._entries.move_to_end(key)
         stats[0] += 1
@@ -249,7 +266,7 @@ class GraphCache:
         while self._count() > MAX_GRAPHS:
             oldest, old = next(iter(self._entries.items()))
             if old.pop(0).replays == 0:
-                self._shapes.setdefault(_strip(oldest), [0, 0, 0])[2] += 1
+                self._shapes.setdefault(_strip(oldest), [0, 0, 0, 0])[2] += 1
             if not old:
                 del self._entries[oldest]
         return self._replay(entry, shape, captured=True)
