@@ -391,10 +391,7 @@ def graph_replays() -> list[dict]:
             a_f8, b_f8, half, half, 0, g, out_dtype=torch.float32, strategy=s)
 
     def flat(result) -> list[torch.Tensor]:
-        if isinstance(result, torch.Tensor):
-            return [result]
-        first, outs = result
-        return ([] if first is None else [first]) + list(outs)
+        return graphs._flatten(result)[0]
 
     counts = []
     workspace = asynctp.get_workspace(g, "cuda")

@@ -103,17 +103,15 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
     data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
     result = RunResult(variant.name)
     from asynctp.ops import graphs
-    from asynctp.symm import get_workspace
 
     graphs.clear()  # a run neither reuses nor holds (in its peak memory) an earlier run's graphs
-    workspace = get_workspace(mesh.get_group(), device) if device.type == "cuda" else None
-    before = graphs.stats(workspace)
+    before = graphs.stats()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     last = before
     for step in range(settings.steps):
         if step == settings.steps - 1:
-            last = graphs.stats(workspace)
+            last = graphs.stats()
         tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
         _sync(device)
         start = time.perf_counter()
@@ -126,7 +124,7 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
             on_step(step, loss, seconds)
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
-    after = graphs.stats(workspace)
+    after = graphs.stats()
     result.graph_calls = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
     result.graph_calls_last_step = {k: after[k] - last[k] for k in ("eager", "captured", "replayed")}
     if settings.profile_steps:

@@ -90,11 +90,9 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     def body():
         return _pipelined(ws, gather_layout(a_shard, dim, world), bs, biases, return_a, splits, lockstep)
 
-    if graphs.usable(ws):
-        key = ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
-               tuple(map(tensor_key, biases)), return_a, splits, lockstep, graphs.settings())
-        return graphs.call(ws, key, body)
-    return body()
+    key = ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
+           tuple(map(tensor_key, biases)), return_a, splits, lockstep, graphs.settings())
+    return graphs.call(ws, key, body)
 
 
 @_all_gather_matmul_op.register_fake

@@ -128,12 +128,10 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     def body():
         return _pipelined(gather, *args())
 
-    if graphs.usable(ws):
-        key = ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
-               tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
-               splits, lockstep, graphs.settings())
-        return graphs.call(ws, key, body)
-    return body()
+    key = ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
+           tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
+           splits, lockstep, graphs.settings())
+    return graphs.call(ws, key, body)
 
 
 def _ring_gather(group: dist.ProcessGroup, lay: GatherLayout, scale_2d: torch.Tensor | None):

@@ -24,7 +24,7 @@ Not used: on CPU, during a capture by the caller (the call is captured into the 
 instead), under torch.compile's tracing, and with ASYNCTP_GRAPHS=0. Inputs at new addresses on
 every call are never captured (a key is captured at its second call). A shape with
 WASTED_PER_SHAPE graphs that were never replayed (dropped unreplayed, or left unreplayed while
-many calls of the shape went by: inputs whose addresses recur only now and then, as fp8 tensors
+many calls went by: inputs whose addresses recur only now and then, as fp8 tensors
 quantized afresh at every call did in the fp8 demo) is no longer captured, with one warning:
 capturing costs milliseconds of host time, more than an eager call.
 
@@ -51,7 +51,7 @@ _ENV = "ASYNCTP_GRAPHS"
 _MAX_ENV = "ASYNCTP_MAX_GRAPHS"
 MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
-WASTED_PER_SHAPE = 8  # graphs of a shape dropped before any replay: then that shape runs eagerly
+WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
 _SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent forgotten
 
 _use_count = torch._C._storage_Use_Count
@@ -106,11 +106,13 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 class _Entry:
     """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
 
-    __slots__ = ("replay", "outs", "spec", "storages", "replays", "born")
+    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born")
 
-    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, born: int = 0) -> None:
+    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, shape: tuple = (),
+                 born: int = 0) -> None:
         self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
-        self.born = born  # calls of its shape before it was captured
+        self.shape = shape  # its key without the addresses
+        self.born = born  # calls through the cache before it was captured
         # (StorageImpl pointer, its use count while only this entry holds it) per storage
         seen: dict[int, int] = {}
         for t in outs:
@@ -163,9 +165,9 @@ class GraphCache:
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
-        # shape signature -> [captures, replays, graphs dropped unreplayed, calls]
-        self._shapes: dict[tuple, list[int]] = {}
-        self._off: set[tuple] = set()  # shape signatures that run eagerly from now on
+        self._calls = 0  # calls through this cache
+        self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
+        self._off: set[tuple] = set()  # shapes that run eagerly from now on
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
 
@@ -189,38 +191,35 @@ class GraphCache:
     def clear(self) -> None:
         self._entries.clear()
         self._seen.clear()
-        self._shapes.clear()
+        self._dropped.clear()
         self._off.clear()
 
-    def _stale(self, shape: tuple, calls: int) -> int:
-        """Graphs of `shape` never replayed although more calls of that shape came since their
-        capture than there are graphs of the shape (+4): a loop that calls each of its keys once
-        per iteration brings a key back within that many calls (two alternating address sets
-        too: both are captured by then)."""
-        mine = [e for k, entries in self._entries.items() if _strip(k) == shape for e in entries]
-        horizon = len(mine) + 4
-        return sum(1 for e in mine if e.replays == 0 and calls - e.born > horizon)
+    def _stale(self, shape: tuple) -> int:
+        """Graphs of `shape` never replayed although more calls came since their capture than
+        there are graphs (+4): a loop that calls each of its keys once per iteration brings a key
+        back within that many calls (two alternating address sets too: both are captured by then)."""
+        horizon = self._count() + 4
+        return sum(1 for entries in self._entries.values() for e in entries
+                   if e.shape == shape and e.replays == 0 and self._calls - e.born > horizon)
 
     def _count(self) -> int:
         return sum(len(v) for v in self._entries.values())
 
-    def call(self, key: tuple, shape: tuple, body: Callable[[], Any]) -> Any:
+    def call(self, key: tuple, body: Callable[[], Any]) -> Any:
         """body()'s result, from a replay where possible. key: everything the call depends on
-        (tensor_key() of each input, scalars, settings); shape: key without the addresses."""
+        (tensor_key() of each input, scalars, settings)."""
         ws = self.ws
         if ws.generation != self._generation:  # the buffers (and flags) were replaced
             self.clear()
             self._generation = ws.generation
-        stats = self._shapes.get(shape)
-        if stats is None:
-            stats = self._shapes[shape] = [0, 0, 0, 0]
-        stats[3] += 1
+        self._calls += 1
         entries = self._entries.get(key)
         if entries is not None:
             self._entries.move_to_end(key)
             for entry in entries:
                 if entry.free():
-                    return self._replay(entry, shape)
+                    return self._replay(entry)
+        shape = _strip(key)  # (not on the replay path above: it walks the whole key)
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
         ):
@@ -231,14 +230,14 @@ class GraphCache:
             self.counts["eager"] += 1
             return body()
         self._seen.pop(key, None)
-        stale = self._stale(shape, stats[3])
-        if stats[2] + stale >= WASTED_PER_SHAPE:
+        wasted = self._dropped.get(shape, 0) + self._stale(shape)
+        if wasted >= WASTED_PER_SHAPE:
             self._off.add(shape)
-            for k in [k for k in self._entries if _strip(k) == shape]:
+            for k in [k for k, entries in self._entries.items() if entries[0].shape == shape]:
                 del self._entries[k]
             warn_once(
                 f"graphs-off:{shape}",
-                f"asynctp {key[0]}: {stats[2] + stale} CUDA graphs of shape {shape[1:]} were never replayed "
+                f"asynctp {key[0]}: {wasted} CUDA graphs of shape {shape[1:]} were never replayed "
                 f"(their inputs did not come back at the same addresses, or more calls had distinct inputs "
                 f"than {_MAX_ENV}={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
                 f"small sizes); keep such inputs in persistent buffers, raise {_MAX_ENV}, or set {_ENV}=0",
@@ -258,20 +257,20 @@ class GraphCache:
             return body()
         outs, spec = _flatten(result)
         del result
-        entry = _Entry(replay, outs, spec, born=stats[3])
+        entry = _Entry(replay, outs, spec, shape, born=self._calls)
         self._entries.setdefault(key, []).append(entry)
         self._entries.move_to_end(key)
-        stats[0] += 1
         self.counts["captured"] += 1
         while self._count() > MAX_GRAPHS:
             oldest, old = next(iter(self._entries.items()))
-            if old.pop(0).replays == 0:
-                self._shapes.setdefault(_strip(oldest), [0, 0, 0, 0])[2] += 1
+            dropped = old.pop(0)
+            if dropped.replays == 0:
+                self._dropped[dropped.shape] = self._dropped.get(dropped.shape, 0) + 1
             if not old:
                 del self._entries[oldest]
-        return self._replay(entry, shape, captured=True)
+        return self._replay(entry, captured=True)
 
-    def _replay(self, entry: _Entry, shape: tuple, captured: bool = False) -> Any:
+    def _replay(self, entry: _Entry, captured: bool = False) -> Any:
         ws = self.ws
         lanes = ws.lanes
         if lanes.is_cuda:
@@ -291,7 +290,6 @@ class GraphCache:
             entry.replay()
         if not captured:  # the replay right after the capture is the capturing call's own
             entry.replays += 1
-            self._shapes[shape][1] += 1
             self.counts["replayed"] += 1
         return entry.result()
 
@@ -313,26 +311,34 @@ def cache_of(ws: Any) -> GraphCache:
 
 
 def call(ws: Any, key: tuple, body: Callable[[], Any]) -> Any:
-    """Run a pipelined call through ws's graph cache (see the module docstring)."""
-    return cache_of(ws).call(key, _strip(key), body)
+    """body() of a pipelined call over ws, through ws's graph cache where usable(ws) (see the
+    module docstring)."""
+    if not usable(ws):
+        return body()
+    return cache_of(ws).call(key, body)
+
+
+def _caches(ws: Any | None) -> list[GraphCache]:
+    if ws is not None:
+        workspaces = [ws]
+    else:
+        from asynctp.symm import _workspaces
+
+        workspaces = [w for w in _workspaces.values() if w is not None]
+    return [w.graphs for w in workspaces if getattr(w, "graphs", None) is not None]
 
 
 def clear(ws: Any | None = None) -> None:
     """Drop the captured graphs (of one workspace, or of every one this process made)."""
-    if ws is not None:
-        if getattr(ws, "graphs", None) is not None:
-            ws.graphs.clear()
-        return
-    from asynctp.symm import _workspaces
-
-    for w in _workspaces.values():
-        if w is not None and getattr(w, "graphs", None) is not None:
-            w.graphs.clear()
+    for cache in _caches(ws):
+        cache.clear()
 
 
-def stats(ws: Any) -> dict[str, int]:
-    """Calls run eagerly / captured / replayed through ws's cache, and the graphs held."""
-    cache = getattr(ws, "graphs", None)
-    if cache is None:
-        return {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0}
-    return {**cache.counts, "graphs": cache._count()}
+def stats(ws: Any | None = None) -> dict[str, int]:
+    """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
+    workspace this process made), and the graphs held."""
+    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0}
+    for cache in _caches(ws):
+        for k, v in {**cache.counts, "graphs": cache._count()}.items():
+            total[k] += v
+    return total

@@ -84,11 +84,9 @@ def _run(a, b, dim, group, reduce_op, bias, strategy):
     def body():
         return _pipelined(ws, scatter_layout(a, dim, world), b, reduce_op, bias, splits)
 
-    if graphs.usable(ws):
-        key = ("matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(bias), dim, reduce_op, splits,
-               graphs.settings())
-        return graphs.call(ws, key, body)
-    return body()
+    key = ("matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(bias), dim, reduce_op, splits,
+           graphs.settings())
+    return graphs.call(ws, key, body)
 
 
 @_matmul_reduce_scatter_op.register_fake

@@ -123,11 +123,9 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     def body():
         return _pipelined(reduce_scatter, ws.rank, *args())
 
-    if graphs.usable(ws):
-        key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
-               tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
-        return graphs.call(ws, key, body)
-    return body()
+    key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
+           tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
+    return graphs.call(ws, key, body)
 
 
 @_scaled_matmul_reduce_scatter_op.register_fake
