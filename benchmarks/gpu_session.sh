@@ -19,9 +19,11 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     democompile) step ${DEMO_LIMIT:-400} demo_compiled python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --compile --asynctp-pass --torch-async-tp --profile --out $R/compiled ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     ringp2p) for op in all_gather_matmul matmul_reduce_scatter; do NCCL_P2P_DISABLE=1 ASYNCTP_DISABLE_SYMM=1 step 120 bench_nop2p_$op python3 -m asynctp.cli bench --op $op --shapes seed --hardware ${HW:-2xH200}-noP2P --out $R; done ;;
-    tests8) step 200 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
+    tests8) step ${T8_LIMIT:-200} gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
     fp8) for op in ${FP8_OPS:-all_gather_scaled_matmul_rowwise all_gather_scaled_matmul_tensorwise scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise}; do step ${FP8_LIMIT:-60} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${FP8_SHAPES:-seed} --tune --out $R; done ;;
     probehost) TAILN=40 step ${PROBE_LIMIT:-300} probe_host python3 benchmarks/probe_host.py $R/probe_host ;;
+    quant) TAILN=12 step ${Q_LIMIT:-120} probe_quantize python3 benchmarks/probe_quantize.py $R ;;
+    demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline --profile --out $R/fp8demo_sb ;;
     capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac

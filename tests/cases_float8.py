@@ -554,3 +554,72 @@ def cuda_graph_capture() -> None:
             torch.testing.assert_close(r, r_ref, rtol=1e-2, atol=0)
         else:  # more partials are summed in another order than the serial reduce-scatter's
             assert sqnr(r_ref, r) > 40, f"replayed reduce-scatter SQNR {sqnr(r_ref, r):.1f} dB"
+
+
+def quantize_kernels_exact(device: str = "cuda") -> int:
+    """asynctp.float8's Triton quantization kernels against the torch formulas they replace
+    (amax_to_scale / to_float8 on each tensor), bit for bit: fp8 bytes and float32 scales, for
+    every quantizer, both fp8 dtypes, power-of-two scales on and off, 2-D / 3-D / strided inputs,
+    rows longer than one block, all-zero rows, saturation (an amax below the true one), and the
+    dequantization. Returns the number of comparisons."""
+    from asynctp.float8 import quantize as q
+    from asynctp.float8.quantize import amax_to_scale, to_float8
+
+    assert q._fast(torch.empty(1, device=device)) is not None, "the Triton kernels are not in use"
+    gen = torch.Generator().manual_seed(7)
+    count = 0
+
+    def check(got: tuple, want: tuple, what: str) -> None:
+        nonlocal count
+        for g_t, w_t, part in zip(got, want, ("values", "scale")):
+            assert same_bytes(g_t, w_t), f"{what}: {part} differ from the torch formulas"
+            count += 1
+
+    def data(shape, dtype, scale=3.0):
+        x = torch.randn(shape, generator=gen) * scale
+        x.view(-1)[:: max(1, x.numel() // 7)] *= 40  # outliers: small values lose precision next to them
+        return x.to(dtype).to(device)
+
+    shapes = [(1, 1), (7, 13), (64, 4096), (5, 14336), (3, 5, 96)]
+    for scaling, pow2_scales in (("rowwise", True), ("rowwise", False), ("tensorwise", False), ("tensorwise", True)):
+        for f8 in (E4M3, E5M2):
+            recipe = Float8Recipe(scaling=scaling, power_of_2_scales=pow2_scales, activation_dtype=f8,
+                                  weight_dtype=E4M3, grad_dtype=E4M3 if f8 == E5M2 else E5M2)
+            for hp in (torch.bfloat16, torch.float16, torch.float32):
+                for shape in shapes:
+                    x = data(shape, hp)
+                    x[..., 0, :] = 0  # an all-zero row: the eps floor
+                    what = f"{scaling} pow2={pow2_scales} {f8} {hp} {shape}"
+                    rows_scale = amax_to_scale(x.abs().amax(-1, keepdim=True), f8, recipe)
+                    check(q.quantize_rows(x, f8, recipe), (to_float8(x, rows_scale, f8), rows_scale), f"rows {what}")
+                    amax = x.abs().amax().float()
+                    t_scale = amax_to_scale(amax, f8, recipe)
+                    check(q.quantize_tensor(x, amax, f8, recipe), (to_float8(x, t_scale, f8), t_scale), f"tensor {what}")
+                    low = amax / 4  # saturates the largest values
+                    low_scale = amax_to_scale(low, f8, recipe)
+                    check(q.quantize_tensor(x, low, f8, recipe), (to_float8(x, low_scale, f8), low_scale), f"saturated {what}")
+                    strided = x.transpose(-1, -2)  # not contiguous: the kernels take strides
+                    s_scale = amax_to_scale(strided.abs().amax(-1, keepdim=True), f8, recipe)
+                    check(q.quantize_rows(strided, f8, recipe), (to_float8(strided, s_scale, f8), s_scale), f"strided {what}")
+                    if len(shape) == 2:
+                        w_dtype = recipe.weight_dtype
+                        w_amax = x.abs().amax(0, keepdim=True) if scaling == "rowwise" else x.abs().amax()
+                        w_scale = amax_to_scale(w_amax, w_dtype, recipe)
+                        w_ref = to_float8(x, w_scale, w_dtype).t().contiguous().t()
+                        got = q.quantize_weight_for_dgrad(x, recipe)
+                        assert got[0].stride() == w_ref.stride(), what
+                        check(got, (w_ref, w_scale), f"dgrad weight {what}")
+                    y, y_scale = to_float8(x, rows_scale, f8), rows_scale
+                    for out_dtype in (torch.bfloat16, torch.float32):
+                        for s in (y_scale, t_scale, y_scale.expand(x.shape).contiguous()):
+                            want = (y.float() * s).to(out_dtype)
+                            check((q.dequantize(y, s, out_dtype),), (want,), f"dequantize {what}")
+    # into caller-kept buffers: the same bytes, written in place
+    recipe = Float8Recipe.from_name("rowwise")
+    x = data((32, 256), torch.bfloat16)
+    out = torch.empty((32, 256), dtype=E4M3, device=device)
+    scale_out = torch.empty((32, 1), device=device)
+    got = q.quantize_rows(x, E4M3, recipe, out=out, scale_out=scale_out)
+    assert got[0] is out and got[1] is scale_out
+    check(got, q.quantize_rows(x, E4M3, recipe), "into kept buffers")
+    return count

@@ -9,6 +9,7 @@ styles are checked on the demo's tiny Llama against one unsharded process (float
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -369,3 +370,35 @@ def shared_gather_misuse(device: str) -> str:
     with pytest.raises(TypeError, match="SharedGather"):
         AsyncColwiseParallel(input_layouts=Shard(1), shared_gather=object())
     return str(info.value)
+
+
+def float8_training_paths_agree(device: str, recipe: str, steps: int = 6) -> dict[str, dict[str, int]]:
+    """fp8 training with asynctp's styles (pipelined) three ways: CUDA graphs + the Triton
+    quantization kernels (the default), graphs off (ASYNCTP_GRAPHS=0), torch-op quantization
+    (ASYNCTP_FP8_KERNELS=0). The loss curves must be identical: replays, kept quantization
+    buffers and the kernels change where work runs, not what it computes. With graphs on, the
+    last step must replay every pipelined call (the fp8 operands live in buffers the modules
+    keep, so their addresses recur). Returns each run's last-step graph counts."""
+    import os
+
+    from asynctp.demo.train import TrainSettings, Variant, train
+
+    cfg = dataclasses.replace(_test_config(), dim=192, ffn_dim=384, vocab_size=96)
+    settings = TrainSettings(cfg=cfg, steps=steps, dtype=torch.bfloat16, lr=1e-3, float8=recipe)
+    variant = Variant("asynctp pipelined", asynchronous=True, strategy="pipeline")
+    runs: dict[str, Any] = {}
+    for name, env in (("default", {}), ("no graphs", {"ASYNCTP_GRAPHS": "0"}), ("torch quantization", {"ASYNCTP_FP8_KERNELS": "0"})):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            runs[name] = train(variant, settings, _mesh(device), torch.device(device))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    reference = runs["default"].losses
+    for name, run in runs.items():
+        assert run.losses == reference, f"{name}: losses {run.losses} vs default {reference}"
+    last = runs["default"].graph_calls_last_step
+    assert last["eager"] == 0 and last["captured"] == 0 and last["replayed"] > 0, f"last step's pipelined calls: {last}"
+    assert runs["no graphs"].graph_calls["replayed"] == 0
+    return {name: run.graph_calls_last_step for name, run in runs.items()}

@@ -9,30 +9,53 @@ Shape legend:
     tensorwise scales: shape ()     rowwise: x [..., 1], w [N, 1]
 Pass a weight to the ops as b = w_fp8.t() ([K, N], column-major as cuBLAS wants) with
 b_scale = w_scale.t() (() or [1, N]).
+
+On CUDA (outside torch.compile) the quantization runs as one Triton kernel per tensor
+(asynctp.float8.kernels, bit-for-bit the torch code below, which stays the implementation on CPU
+and under compile); ASYNCTP_FP8_KERNELS=0 turns the kernels off. The `out=` / `scale_out=`
+arguments of the internal helpers let a caller quantize into buffers it keeps (stable addresses,
+so a fused op fed by them can be replayed from a CUDA graph).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from asynctp.config import warn_once
 from asynctp.float8.recipe import Float8Recipe
 from asynctp.symm import resolve_group
 
-__all__ = ["quantize_activation", "quantize_weight", "amax_to_scale", "to_float8"]
+__all__ = [
+    "quantize_activation", "quantize_weight", "amax_to_scale", "to_float8",
+    "quantize_rows", "quantize_tensor", "quantize_weight_for_dgrad", "dequantize", "abs_max",
+]
 
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNELS_ENV = "ASYNCTP_FP8_KERNELS"
+_kernels: Any = None  # the Triton module once imported; False when it cannot be
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, recipe: Float8Recipe) -> torch.Tensor:
     """The float32 dequantization scale for tensors whose absolute maximum is `amax`."""
     scale = amax.float().clamp(min=recipe.amax_eps) / torch.finfo(fp8_dtype).max
     if recipe.power_of_2_scales:
-        # rounded up, so x / scale never exceeds fp8_max
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = _round_up_pow2(scale)
     return scale
+
+
+def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= scale (x / scale then never exceeds fp8_max), exactly: on the
+    float's bits (scale is a positive normal float: amax_eps / fp8_max is far above the
+    subnormals). A mantissa is cleared and the exponent stepped up unless it already is zero;
+    inf and NaN pass unchanged. The Triton kernels do the same."""
+    bits = scale.contiguous().view(torch.int32)
+    exponent = bits & 0x7F800000
+    round_up = ((bits & 0x007FFFFF) != 0) & (exponent != 0x7F800000)
+    return torch.where(round_up, exponent + 0x00800000, bits).view(torch.float32)
 
 
 def to_float8(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -40,6 +63,130 @@ def to_float8(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -
     fp8_max = torch.finfo(fp8_dtype).max
     return (x_hp.float() / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
 
+
+def abs_max(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |t| (over `dim`, kept), in t's dtype (exact: a max picks one of t's values); one
+    reduction kernel where t.abs().amax() takes two."""
+    if dim is None:
+        return torch.linalg.vector_norm(t, float("inf"))
+    return torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True)
+
+
+# ---------------------------------------------------------------------- fast path dispatch
+
+def _fast(t: torch.Tensor) -> Any:
+    """The Triton kernels module when t may use it, else None (CPU, torch.compile, turned off)."""
+    global _kernels
+    if not t.is_cuda or torch.compiler.is_compiling() or os.environ.get(_KERNELS_ENV, "1") == "0":
+        return None
+    if _kernels is None:
+        try:
+            from asynctp.float8 import kernels
+        except ImportError as exc:
+            warn_once(
+                "fp8-kernels",
+                f"asynctp.float8: the Triton quantization kernels are unavailable ({exc}); fp8 tensors are "
+                f"quantized with torch ops instead (same results, several kernels per tensor, slower)",
+            )
+            kernels = False
+        _kernels = kernels
+    return _kernels or None
+
+
+def _buffer(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out requires a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    return out
+
+
+def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return value
+    _buffer(out, tuple(value.shape), value.dtype, value.device).copy_(value)
+    return out
+
+
+def quantize_rows(
+    t: torch.Tensor, fp8_dtype: torch.dtype, recipe: Float8Recipe, *,
+    out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_fp8, scale [..., 1]): one scale per row (over the last dim)."""
+    rows_shape = tuple(t.shape[:-1]) + (1,)
+    kernels = _fast(t)
+    if kernels is None:
+        scale = amax_to_scale(t.abs().amax(dim=-1, keepdim=True), fp8_dtype, recipe)
+        return _into(out, to_float8(t, scale, fp8_dtype)), _into(scale_out, scale)
+    y = _buffer(out, tuple(t.shape), fp8_dtype, t.device)
+    scale = _buffer(scale_out, rows_shape, torch.float32, t.device)
+    cols = t.shape[-1]
+    kernels.quantize_rows(
+        t.reshape(-1, cols), y.view(-1, cols), scale.view(-1), recipe.amax_eps, recipe.power_of_2_scales
+    )
+    return y, scale
+
+
+def quantize_tensor(
+    t: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype, recipe: Float8Recipe, *,
+    out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_fp8, scale ()): one scale from `amax` (0-dim, e.g. agreed over a group)."""
+    kernels = _fast(t)
+    if kernels is None:
+        scale = amax_to_scale(amax, fp8_dtype, recipe)
+        return _into(out, to_float8(t, scale, fp8_dtype)), _into(scale_out, scale)
+    y = _buffer(out, tuple(t.shape), fp8_dtype, t.device)
+    scale = _buffer(scale_out, (), torch.float32, t.device)
+    cols = t.shape[-1] if t.ndim else 1
+    x2 = t.reshape(-1, cols)
+    rows = x2.shape[0]
+    kernels.quantize_given_amax(
+        x2, amax.reshape(1, 1).expand(rows, cols), y.view(-1, cols), scale.view(1, 1).expand(rows, cols),
+        recipe.amax_eps, recipe.power_of_2_scales,
+    )
+    return y, scale
+
+
+def quantize_weight_for_dgrad(
+    w_hp: torch.Tensor, recipe: Float8Recipe, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8, scale) of an nn.Linear weight [N, K] as the b operand of grad @ w: w_fp8 has
+    shape [N, K], column-major (strides (1, N)); scale is per input feature [1, K] (rowwise) or ()
+    (tensorwise). `out` is the [K, N] contiguous storage."""
+    dtype = recipe.weight_dtype
+    rowwise = recipe.scaling == "rowwise"
+    n, k = w_hp.shape
+    kernels = _fast(w_hp)
+    if kernels is None:
+        amax = w_hp.abs().amax(dim=0, keepdim=True) if rowwise else w_hp.abs().amax()
+        scale = amax_to_scale(amax, dtype, recipe)
+        w_fp8 = _into(out, to_float8(w_hp, scale, dtype).t().contiguous())
+        return w_fp8.t(), _into(scale_out, scale)
+    amax = abs_max(w_hp, 0) if rowwise else abs_max(w_hp)
+    y = _buffer(out, (k, n), dtype, w_hp.device)
+    scale = _buffer(scale_out, (1, k) if rowwise else (), torch.float32, w_hp.device)
+    kernels.quantize_given_amax(
+        w_hp, amax.expand(n, k), y.t(), scale.expand(n, k), recipe.amax_eps, recipe.power_of_2_scales
+    )
+    return y.t(), scale
+
+
+def dequantize(t_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(t_fp8 * scale).to(dtype); scale broadcasts against t_fp8."""
+    kernels = _fast(t_fp8)
+    if kernels is None:
+        return (t_fp8.float() * scale).to(dtype)
+    y = torch.empty(t_fp8.shape, dtype=dtype, device=t_fp8.device)
+    cols = t_fp8.shape[-1]
+    kernels.dequantize(t_fp8.reshape(-1, cols), scale.expand(t_fp8.shape).reshape(-1, cols), y.view(-1, cols))
+    return y
+
+
+# ---------------------------------------------------------------------- public helpers
 
 def _check_hp(name: str, t: Any) -> None:
     if not isinstance(t, torch.Tensor):
@@ -75,13 +222,11 @@ def quantize_activation(x_hp: torch.Tensor, recipe: Float8Recipe, group: Any) ->
     pg = None if group is None else resolve_group(group)
     dtype = recipe.activation_dtype
     if recipe.scaling == "rowwise":
-        amax = x_hp.abs().amax(dim=-1, keepdim=True).float()
-    else:
-        amax = x_hp.abs().amax().float()
-        if pg is not None and pg.size() > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
-    scale = amax_to_scale(amax, dtype, recipe)
-    return to_float8(x_hp, scale, dtype), scale
+        return quantize_rows(x_hp, dtype, recipe)
+    amax = abs_max(x_hp).float()
+    if pg is not None and pg.size() > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
+    return quantize_tensor(x_hp, amax, dtype, recipe)
 
 
 def quantize_weight(w_hp: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,10 +245,6 @@ def quantize_weight(w_hp: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Ten
     _check_recipe(recipe)
     if w_hp.ndim != 2:
         raise ValueError(f"w_hp requires a 2-D (N, K) weight, got shape {tuple(w_hp.shape)}")
-    dtype = recipe.weight_dtype
     if recipe.scaling == "rowwise":
-        amax = w_hp.abs().amax(dim=1, keepdim=True).float()
-    else:
-        amax = w_hp.abs().amax().float()
-    scale = amax_to_scale(amax, dtype, recipe)
-    return to_float8(w_hp, scale, dtype), scale
+        return quantize_rows(w_hp, recipe.weight_dtype, recipe)
+    return quantize_tensor(w_hp, abs_max(w_hp), recipe.weight_dtype, recipe)

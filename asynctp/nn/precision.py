@@ -8,6 +8,11 @@ Per linear (recipe from asynctp.float8, current scaling):
 Tensorwise scales of a tensor that is gathered are agreed over the group (amax all-reduced);
 rowwise scales travel with their rows. Weights are quantized per output feature for the forward
 (b = w_fp8.t(), per-column scale) and per input feature for dgrad (b = w, per-column scale).
+
+A Float8Matmuls made once per module (asynctp.parallel does) quantizes into buffers it keeps,
+one per operand, when CUDA graphs are on: the fused ops then see the same addresses at every
+step and replay from their graphs (asynctp.ops.graphs). The cost is memory: each linear keeps its
+fp8 operands (about its weights' bf16 size plus its fp8 activations and gradients) between calls.
 """
 
 from __future__ import annotations
@@ -19,20 +24,24 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from asynctp.ops import graphs
+
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
 # (module, names) the fp8 path needs; checked when a recipe is given, so a missing piece is a
 # clear ValueError at the call that asked for fp8, not an AttributeError deep in backward
 _NEEDED = (
-    ("asynctp.float8", ("Float8Recipe", "quantize_weight")),
-    ("asynctp.float8.quantize", ("amax_to_scale", "to_float8")),
+    ("asynctp.float8", ("Float8Recipe",)),
+    ("asynctp.float8.quantize", ("quantize_rows", "quantize_tensor", "quantize_weight_for_dgrad", "dequantize", "abs_max")),
     ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul",)),
     ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
 )
 
 
-def resolve_float8(float8: Any) -> Float8Matmuls | None:
-    """None, a recipe from asynctp.float8, or a recipe name -> the matmuls (None: high precision)."""
+def resolve_float8(float8: Any, keep_buffers: bool = False) -> Float8Matmuls | None:
+    """None, a recipe from asynctp.float8, or a recipe name -> the matmuls (None: high precision).
+    keep_buffers: quantize into buffers kept between calls (for an instance made once per module,
+    as asynctp.parallel makes them; a per-call instance would only hold them longer)."""
     if float8 is None:
         return None
     found: dict[str, Any] = {}
@@ -49,16 +58,19 @@ def resolve_float8(float8: Any) -> Float8Matmuls | None:
     recipe = recipe_cls.from_name(float8) if isinstance(float8, str) else float8
     if not isinstance(recipe, recipe_cls):
         raise TypeError(f"float8 requires None, a recipe name or an asynctp.float8.Float8Recipe, got {type(float8).__name__}")
-    return Float8Matmuls(recipe, found)
+    return Float8Matmuls(recipe, found, keep_buffers)
 
 
 class Float8Matmuls:
     """The fp8 versions of the forward and dgrad matmuls of both linears."""
 
-    def __init__(self, recipe: Any, api: dict[str, Any]) -> None:
+    def __init__(self, recipe: Any, api: dict[str, Any], keep_buffers: bool = False) -> None:
         self.recipe = recipe
+        self.keep_buffers = keep_buffers
         self.api = types.SimpleNamespace(**api)
         self.rowwise = recipe.scaling == "rowwise"
+        # role -> (fp8 buffer, scale buffer), reused by the next call of the same shape
+        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ column-parallel
 
@@ -67,10 +79,10 @@ class Float8Matmuls:
     ) -> tuple[None, list[torch.Tensor]]:
         """(None, outs): outs[i] = x_gathered @ weights[i].t() + biases[i], fp8 inputs."""
         api, recipe = self.api, self.recipe
-        x_fp8, x_scale = self._quantize(x_shard, recipe.activation_dtype, config.group_name)
+        x_fp8, x_scale = self._quantize("x", x_shard, recipe.activation_dtype, config.group_name)
         bs, b_scales = [], []
-        for w in weights:
-            w_fp8, w_scale = api.quantize_weight(w, recipe)
+        for i, w in enumerate(weights):
+            w_fp8, w_scale = self._quantize_weight(f"w{i}", w)
             bs.append(w_fp8.t())
             b_scales.append(w_scale.t())
         _, outs = self._gather_mm(
@@ -81,41 +93,72 @@ class Float8Matmuls:
     def dgrad_reduce_scatter(self, grad: torch.Tensor, weight: torch.Tensor, config: Any) -> torch.Tensor:
         """reduce_scatter(grad @ weight) along config.dim, fp8 inputs (no agreement needed:
         partial products are dequantized before they are summed)."""
-        g_fp8, g_scale = self._quantize(grad, self.recipe.grad_dtype, None)
+        g_fp8, g_scale = self._quantize("grad", grad, self.recipe.grad_dtype, None)
         b, b_scale = self._weight_for_dgrad(weight)
         return self._mm_scatter(g_fp8, b, g_scale, b_scale, config, grad.dtype, None, False)
 
     # ------------------------------------------------------------------ row-parallel
 
     def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, bias: Any, config: Any) -> torch.Tensor:
-        x_fp8, x_scale = self._quantize(x, self.recipe.activation_dtype, None)
-        w_fp8, w_scale = self.api.quantize_weight(weight, self.recipe)
+        x_fp8, x_scale = self._quantize("x", x, self.recipe.activation_dtype, None)
+        w_fp8, w_scale = self._quantize_weight("w0", weight)
         return self._mm_scatter(x_fp8, w_fp8.t(), x_scale, w_scale.t(), config, x.dtype, bias, self.recipe.use_fast_accum)
 
     def dgrad_all_gather(self, grad_shard: torch.Tensor, weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(grad_gathered in grad_shard's dtype, grad_gathered @ weight), the gather in fp8."""
-        g_fp8, g_scale = self._quantize(grad_shard, self.recipe.grad_dtype, config.group_name)
+        g_fp8, g_scale = self._quantize("grad", grad_shard, self.recipe.grad_dtype, config.group_name)
         b, b_scale = self._weight_for_dgrad(weight)
         g_gathered_fp8, (grad_x,) = self._gather_mm(
             g_fp8, [b], g_scale, [b_scale], config, grad_shard.dtype, [None], False, return_a=True
         )
         scale = self._gather_row_scales(g_scale, grad_shard.shape[-1], config) if self.rowwise else g_scale
-        grad_gathered = (g_gathered_fp8.float() * scale).to(grad_shard.dtype)
+        grad_gathered = self.api.dequantize(g_gathered_fp8, scale, grad_shard.dtype)
         return grad_gathered, grad_x
 
     # ------------------------------------------------------------------ quantization
 
-    def _quantize(self, t: torch.Tensor, dtype: torch.dtype, group_name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(
+        self, role: str, t: torch.Tensor, dtype: torch.dtype, group_name: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(t_fp8, scale), current scaling; a tensorwise amax is agreed over `group_name` (the
         tensor will be gathered), through a functional collective so torch.compile can trace it."""
+        scale_shape = tuple(t.shape[:-1]) + (1,) if self.rowwise else ()
+        out, scale_out = self._kept(role, t, tuple(t.shape), dtype, scale_shape)
         if self.rowwise:
-            amax = t.abs().amax(dim=-1, keepdim=True).float()
-        else:
-            amax = t.abs().amax().float()
-            if group_name is not None:
-                amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_name))
-        scale = self.api.amax_to_scale(amax, dtype, self.recipe)
-        return self.api.to_float8(t, scale, dtype), scale
+            return self.api.quantize_rows(t, dtype, self.recipe, out=out, scale_out=scale_out)
+        amax = self.api.abs_max(t).float()
+        if group_name is not None:
+            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_name))
+        return self.api.quantize_tensor(t, amax, dtype, self.recipe, out=out, scale_out=scale_out)
+
+    def _quantize_weight(self, role: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_fp8 [N, K], scale [N, 1] or ()) for the forward (b = w_fp8.t())."""
+        dtype = self.recipe.weight_dtype
+        if self.rowwise:
+            out, scale_out = self._kept(role, w, tuple(w.shape), dtype, (w.shape[0], 1))
+            return self.api.quantize_rows(w, dtype, self.recipe, out=out, scale_out=scale_out)
+        out, scale_out = self._kept(role, w, tuple(w.shape), dtype, ())
+        return self.api.quantize_tensor(w, self.api.abs_max(w), dtype, self.recipe, out=out, scale_out=scale_out)
+
+    def _kept(
+        self, role: str, like: torch.Tensor, shape: tuple, dtype: torch.dtype, scale_shape: tuple
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This module's buffers for `role` (made or remade to fit), or (None, None) where keeping
+        them buys nothing: no CUDA graphs to replay (CPU, ASYNCTP_GRAPHS=0, torch.compile), or this
+        instance lives for one call only."""
+        if torch.compiler.is_compiling() or not (self.keep_buffers and like.is_cuda and graphs.enabled()):
+            return None, None
+        kept = self._buffers.get(role)
+        if (
+            kept is None or tuple(kept[0].shape) != shape or kept[0].dtype != dtype
+            or kept[0].device != like.device or tuple(kept[1].shape) != scale_shape
+        ):
+            kept = (
+                torch.empty(shape, dtype=dtype, device=like.device),
+                torch.empty(scale_shape, dtype=torch.float32, device=like.device),
+            )
+            self._buffers[role] = kept
+        return kept
 
     def _gather_mm(
         self, a: torch.Tensor, bs: list[torch.Tensor], a_scale: torch.Tensor, b_scales: list[torch.Tensor],
@@ -147,11 +190,9 @@ class Float8Matmuls:
 
     def _weight_for_dgrad(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """b = weight [N, K] as the (K_b = N, N_b = K) operand, column-major, scaled per K."""
-        dtype = self.recipe.weight_dtype
-        amax = weight.abs().amax(dim=0, keepdim=True).float() if self.rowwise else weight.abs().amax().float()
-        scale = self.api.amax_to_scale(amax, dtype, self.recipe)
-        w_fp8 = self.api.to_float8(weight, scale, dtype)
-        return w_fp8.t().contiguous().t(), scale
+        n, k = weight.shape
+        out, scale_out = self._kept("w_dgrad", weight, (k, n), self.recipe.weight_dtype, (1, k) if self.rowwise else ())
+        return self.api.quantize_weight_for_dgrad(weight, self.recipe, out=out, scale_out=scale_out)
 
     def _gather_row_scales(self, scale: torch.Tensor, cols: int, config: Any) -> torch.Tensor:
         """Every rank's rowwise scales ([..., 1] each, a few bytes per row: a plain all-gather),

@@ -81,7 +81,7 @@ def _make_forward(style: AsyncColwiseParallel, mesh: DeviceMesh):
     group_name, world_size = group.group_name, group.size()
     placement = style.input_layouts[0]
     use_local_output = style.use_local_output
-    options = dict(float8=resolve_float8(style.float8), save_gathered_input=style.save_gathered_input, strategy=style.strategy)
+    options = dict(float8=resolve_float8(style.float8, keep_buffers=True), save_gathered_input=style.save_gathered_input, strategy=style.strategy)
     shared = style.shared_gather
 
     def linears(modules: list[nn.Module], x: Any) -> list[torch.Tensor]:

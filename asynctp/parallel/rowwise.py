@@ -65,7 +65,7 @@ def _make_forward(style: AsyncRowwiseParallel, mesh: DeviceMesh):
     input_placement = style.input_layouts[0]
     output_dim = style.output_layouts[0].dim
     use_local_output = style.use_local_output
-    options = dict(float8=resolve_float8(style.float8), strategy=style.strategy)
+    options = dict(float8=resolve_float8(style.float8, keep_buffers=True), strategy=style.strategy)
 
     def forward(module: nn.Linear, x: Any) -> Any:
         if not isinstance(x, DTensor) and input_placement != Shard(-1):

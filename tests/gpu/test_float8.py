@@ -56,3 +56,7 @@ def test_large_random_values_match_serial(pool):
 
 def test_cuda_graph_capture_after_reserve(pool):
     pool.run(cases.cuda_graph_capture)
+
+
+def test_quantize_kernels_match_torch_bit_for_bit(pool):
+    assert min(pool.run(cases.quantize_kernels_exact, DEVICE)) > 1000

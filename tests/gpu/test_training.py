@@ -79,6 +79,13 @@ def test_float8_training_follows_bfloat16(pool, recipe):
     assert max(abs(a - b) / abs(a) for a, b in zip(vanilla, fused)) <= FP8_STEP_GAP, curves
 
 
+@needs_style_world
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_float8_training_replays_and_paths_agree(pool, recipe):
+    counts = pool.run(cases_nn.float8_training_paths_agree, DEVICE, recipe)
+    assert all(c["default"]["replayed"] > 0 for c in counts)
+
+
 def test_bad_plans(pool):
     pool.run(cases_nn.bad_plans, DEVICE)
 
