@@ -22,8 +22,10 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     tests8) step ${T8_LIMIT:-200} gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
     fp8) for op in ${FP8_OPS:-all_gather_scaled_matmul_rowwise all_gather_scaled_matmul_tensorwise scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise}; do step ${FP8_LIMIT:-60} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${FP8_SHAPES:-seed} --tune --out $R; done ;;
     probehost) TAILN=40 step ${PROBE_LIMIT:-300} probe_host python3 benchmarks/probe_host.py $R/probe_host ;;
+    pyt) step ${PYT_LIMIT:-300} pytest_selected python3 -m pytest -q -p no:cacheprovider $PYTEST_ARGS ;;
+    demosb) step ${DEMO_LIMIT:-300} demo_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --serial-baseline ${PROFILE---profile} --out $R/demo_sb ;;
     quant) TAILN=12 step ${Q_LIMIT:-120} probe_quantize python3 benchmarks/probe_quantize.py $R ;;
-    demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline --profile --out $R/fp8demo_sb ;;
+    demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise} ;;
     capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac

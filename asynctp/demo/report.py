@@ -20,6 +20,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     rows = [
         ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
         ("step time", lambda r: f"{r['step_time_s'] * 1000:.1f} ms"),
+        # the host's share: near the step time, the GPU waited for Python (host-bound)
+        ("host time", lambda r: f"{r['host_time_s'] * 1000:.1f} ms" if r.get("host_time_s") is not None else "-"),
         ("peak memory", lambda r: _memory(r["peak_memory_bytes"])),
         ("final loss", lambda r: f"{r['final_loss']:.4f}"),
     ]

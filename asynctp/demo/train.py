@@ -70,6 +70,9 @@ class RunResult:
     name: str
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)  # seconds, every step
+    # seconds the host took to queue each step (forward, backward, optimizer) before it waited
+    # for the loss: close to the step time means the GPU waited for the host (host-bound)
+    host_times: list[float] = field(default_factory=list)
     peak_memory_bytes: int | None = None
     profile: dict[str, float] | None = None
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
@@ -115,7 +118,9 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
         tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
         _sync(device)
         start = time.perf_counter()
-        loss = _step(model, opt, tokens)
+        loss_t = _queue_step(model, opt, tokens)
+        result.host_times.append(time.perf_counter() - start)
+        loss = loss_t.item()
         _sync(device)
         seconds = time.perf_counter() - start
         result.losses.append(loss)
@@ -182,6 +187,11 @@ def _enable_torch_async_tp(mesh: DeviceMesh) -> None:
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    return _queue_step(model, opt, tokens).item()
+
+
+def _queue_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    """One training step queued on the device; the loss (not yet waited for)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = model(inputs)
     # logits are sharded over the vocabulary: loss_parallel never gathers them
@@ -192,7 +202,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tens
     opt.zero_grad(set_to_none=True)
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
-    return loss.item()
+    return loss.detach()
 
 
 def _sync(device: torch.device) -> None:
@@ -203,6 +213,7 @@ def _sync(device: torch.device) -> None:
 def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> dict[str, Any]:
     """The numbers the table and the JSON show for one run."""
     timed = result.step_times[settings.warmup :] or result.step_times
+    host = result.host_times[settings.warmup :] or result.host_times
     step_time = sorted(timed)[len(timed) // 2]
     tokens = settings.cfg.batch_size * settings.cfg.seq_len
     tail = result.losses[-min(5, len(result.losses)) :]
@@ -217,6 +228,8 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "final_loss_mean5": sum(tail) / len(tail),
         "losses": result.losses,
         "step_times_s": result.step_times,
+        "host_time_s": sorted(host)[len(host) // 2] if host else None,  # median, timed steps
+        "host_times_s": result.host_times,
         "profile": result.profile,
         **({"fusion_report": result.fusion} if result.fusion else {}),
         "world_size": world_size,

@@ -12,7 +12,8 @@ fuses it there). Every tensor is handled as a 2-D view [R, C] with arbitrary str
                   any strides (tensorwise; the dgrad weight: per-column scales, column-major y)
     dequant       y = (x_fp8 * scale).to(out dtype), scale broadcast by strides
 
-f(amax) = max(amax, eps) / fp8_max, rounded up to a power of two when the recipe asks for it.
+f(amax) = max(amax, eps) * (1 / fp8_max) (a multiplication by the float32 reciprocal, as torch's
+`tensor / python_scalar` computes it on CUDA, written out so CPU and kernels agree), rounded up to a power of two when the recipe asks for it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ __all__ = ["quantize_rows", "quantize_given_amax", "dequantize"]
 
 
 @triton.jit
-def _scale_of(amax, eps, fp8_max, POW2: tl.constexpr):
-    s = tl.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), fp8_max)
+def _scale_of(amax, eps, inv_max, POW2: tl.constexpr):
+    s = tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL) * inv_max
     if POW2:
         # s is a positive normal float (eps / fp8_max is far above the subnormals): clear the
         # mantissa and step the exponent up by one unless s already is a power of two
@@ -45,7 +46,7 @@ def _cast(x, scale, fp8_max, y_ptr):
 
 @triton.jit
 def _rows_kernel(
-    x_ptr, y_ptr, s_ptr, R, C, sxr, sxc, syr, syc, ssr, eps, fp8_max,
+    x_ptr, y_ptr, s_ptr, R, C, sxr, sxc, syr, syc, ssr, eps, inv_max, fp8_max,
     POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -57,7 +58,7 @@ def _rows_kernel(
         # the whole row fits one block: read once
         mask = rmask[:, None] & (cols[None, :] < C)
         x = tl.load(x_rows + cols[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-        scale = _scale_of(tl.max(tl.abs(x), axis=1), eps, fp8_max, POW2)
+        scale = _scale_of(tl.max(tl.abs(x), axis=1), eps, inv_max, POW2)
         tl.store(y_rows + cols[None, :] * syc, _cast(x, scale[:, None], fp8_max, y_ptr), mask=mask)
     else:
         amax = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -66,7 +67,7 @@ def _rows_kernel(
             mask = rmask[:, None] & (c[None, :] < C)
             x = tl.load(x_rows + c[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1), propagate_nan=tl.PropagateNan.ALL)
-        scale = _scale_of(amax, eps, fp8_max, POW2)
+        scale = _scale_of(amax, eps, inv_max, POW2)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + cols
             mask = rmask[:, None] & (c[None, :] < C)
@@ -76,27 +77,34 @@ def _rows_kernel(
 
 
 @triton.jit
-def _tile_kernel(
-    x_ptr, a_ptr, y_ptr, s_ptr, R, C, sxr, sxc, sar, sac, syr, syc, ssr, ssc, eps, fp8_max,
-    POW2: tl.constexpr, SCALE_BCAST_R: tl.constexpr, SCALE_BCAST_C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
+def _tile(x_ptr, R, C, sxr, sxc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's [BLOCK_R, BLOCK_C] tile: (row offsets, column offsets, mask, x as float32)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     r64 = rows[:, None].to(tl.int64)
     c64 = cols[None, :].to(tl.int64)
     x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=mask, other=0.0).to(tl.float32)
+    return r64, c64, mask, x
+
+
+@triton.jit
+def _tile_kernel(
+    x_ptr, a_ptr, y_ptr, s_ptr, R, C, sxr, sxc, sar, sac, syr, syc, ssr, ssc, eps, inv_max, fp8_max,
+    POW2: tl.constexpr, SCALE_BCAST_R: tl.constexpr, SCALE_BCAST_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    r64, c64, mask, x = _tile(x_ptr, R, C, sxr, sxc, BLOCK_R, BLOCK_C)
     amax = tl.load(a_ptr + r64 * sar + c64 * sac, mask=mask, other=1.0).to(tl.float32)
-    scale = _scale_of(amax, eps, fp8_max, POW2)
+    scale = _scale_of(amax, eps, inv_max, POW2)
     tl.store(y_ptr + r64 * syr + c64 * syc, _cast(x, scale, fp8_max, y_ptr), mask=mask)
     # each scale is written once: by row 0 where the scale is broadcast over rows (stride 0),
     # by column 0 where it is broadcast over columns
     smask = mask
     if SCALE_BCAST_R:
-        smask = smask & (rows[:, None] == 0)
+        smask = smask & (r64 == 0)
     if SCALE_BCAST_C:
-        smask = smask & (cols[None, :] == 0)
+        smask = smask & (c64 == 0)
     tl.store(s_ptr + r64 * ssr + c64 * ssc, scale, mask=smask)
 
 
@@ -104,18 +112,17 @@ def _tile_kernel(
 def _dequant_kernel(
     x_ptr, s_ptr, y_ptr, R, C, sxr, sxc, ssr, ssc, syr, syc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    r64 = rows[:, None].to(tl.int64)
-    c64 = cols[None, :].to(tl.int64)
-    x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=mask, other=0.0).to(tl.float32)
+    r64, c64, mask, x = _tile(x_ptr, R, C, sxr, sxc, BLOCK_R, BLOCK_C)
     s = tl.load(s_ptr + r64 * ssr + c64 * ssc, mask=mask, other=1.0).to(tl.float32)
     tl.store(y_ptr + r64 * syr + c64 * syc, (x * s).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
+
+
+def _inv_max(dtype: torch.dtype) -> float:
+    return 1.0 / float(torch.finfo(dtype).max)  # passed as float32: the reciprocal rounded once
 
 
 def quantize_rows(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, eps: float, pow2: bool) -> None:
@@ -128,7 +135,7 @@ def quantize_rows(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, eps: fl
     grid = (triton.cdiv(R, block_r),)
     _rows_kernel[grid](
         x, y, scale, R, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1), scale.stride(0),
-        eps, _fp8_max(y.dtype), POW2=pow2, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=block_c >= C,
+        eps, _inv_max(y.dtype), _fp8_max(y.dtype), POW2=pow2, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=block_c >= C,
         num_warps=8 if block_r * block_c >= 8192 else 4,
     )
 
@@ -144,7 +151,7 @@ def quantize_given_amax(
     grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
     _tile_kernel[grid](
         x, amax, y, scale, R, C, x.stride(0), x.stride(1), amax.stride(0), amax.stride(1),
-        y.stride(0), y.stride(1), scale.stride(0), scale.stride(1), eps, _fp8_max(y.dtype),
+        y.stride(0), y.stride(1), scale.stride(0), scale.stride(1), eps, _inv_max(y.dtype), _fp8_max(y.dtype),
         POW2=pow2, SCALE_BCAST_R=scale.stride(0) == 0, SCALE_BCAST_C=scale.stride(1) == 0,
         BLOCK_R=64, BLOCK_C=64, num_warps=4,
     )

@@ -41,7 +41,9 @@ _kernels: Any = None  # the Triton module once imported; False when it cannot be
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, recipe: Float8Recipe) -> torch.Tensor:
     """The float32 dequantization scale for tensors whose absolute maximum is `amax`."""
-    scale = amax.float().clamp(min=recipe.amax_eps) / torch.finfo(fp8_dtype).max
+    # times the float32 reciprocal (what `/ fp8_max` computes on CUDA; written out so that CPU,
+    # CUDA and the Triton kernels agree bit for bit)
+    scale = amax.float().clamp(min=recipe.amax_eps) * (1.0 / torch.finfo(fp8_dtype).max)
     if recipe.power_of_2_scales:
         scale = _round_up_pow2(scale)
     return scale
