@@ -95,14 +95,18 @@ def check(ws: Any, now: float | None = None) -> str | None:
 
 def report(ws: Any, now: float | None = None) -> str | None:
     """check(ws); a stuck wait is logged, and when it has no timeout of its own (Pending.abort)
-    ws's device is aborted after the line is out."""
+    ws's device abort is enqueued first: once the line is out, a synchronize is sure to raise
+    (logging first let one that started in between return when the released waits finished
+    before the abort's assert was even launched)."""
     p = ws.pending
     message = check(ws, now)
     if message is not None:
-        log.error(message)
-        print(message, file=sys.stderr, flush=True)
-        if p.abort:
-            ws.abort_device()
+        try:
+            if p.abort:
+                ws.abort_device()
+        finally:
+            log.error(message)
+            print(message, file=sys.stderr, flush=True)
     return message
 
 

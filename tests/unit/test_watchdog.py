@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from asynctp.symm import watchdog
 
 
@@ -48,15 +50,25 @@ def test_after_a_graph_capture_nothing_is_reported():
     assert watchdog.check(ws, now=p.issued + 2.0) is None and ws.pending is None
 
 
-def test_a_stuck_stream_wait_is_logged_then_its_device_aborted(capsys):
-    # a stream memory wait has no timeout of its own: the watchdog enforces it
+def test_a_stuck_stream_wait_is_aborted_then_logged(capsys):
+    # a stream memory wait has no timeout of its own: the watchdog enforces it. The abort is
+    # enqueued before the line is out: a synchronize started on seeing the line must raise
     calls = []
     p = watchdog.Pending("matmul_reduce_scatter", "signal channel 3", 1, timeout=1.0, abort=True)
     ws = fake_ws(False, p)
     ws.abort_device = lambda: calls.append(capsys.readouterr().err)  # what was printed by then
     assert watchdog.report(ws, now=p.issued + 0.5) is None and calls == []
     message = watchdog.report(ws, now=p.issued + 2.0)
-    assert len(calls) == 1 and message in calls[0]  # named first, aborted after
+    assert calls == [""] and message in capsys.readouterr().err  # aborted first, named after
+
+
+def test_the_line_is_out_even_when_the_abort_fails(capsys):
+    p = watchdog.Pending("all_gather_matmul", "barrier channel 1", None, timeout=1.0, abort=True)
+    ws = fake_ws(False, p)
+    ws.abort_device = lambda: (_ for _ in ()).throw(RuntimeError("CUDA error"))
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        watchdog.report(ws, now=p.issued + 2.0)
+    assert "barrier channel 1" in capsys.readouterr().err
 
 
 def test_a_stuck_kernel_wait_is_only_logged():
