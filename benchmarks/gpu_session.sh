@@ -24,6 +24,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     probehost) TAILN=40 step ${PROBE_LIMIT:-300} probe_host python3 benchmarks/probe_host.py $R/probe_host ;;
     pyt) step ${PYT_LIMIT:-300} pytest_selected python3 -m pytest -q -p no:cacheprovider $PYTEST_ARGS ;;
     demosb) step ${DEMO_LIMIT:-300} demo_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --serial-baseline ${PROFILE---profile} --out $R/demo_sb ;;
+    hoststep) TAILN=8 step ${HS_LIMIT:-240} probe_host_step python3 benchmarks/probe_host_step.py $R/host_step ;;
     quant) TAILN=12 step ${Q_LIMIT:-120} probe_quantize python3 benchmarks/probe_quantize.py $R ;;
     demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise} ;;
     capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
