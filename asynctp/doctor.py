@@ -33,6 +33,7 @@ def report() -> list[str]:
             row = " ".join("-" if i == j else ("Y" if torch.cuda.can_device_access_peer(i, j) else "n") for j in range(n))
             lines.append(f"  cuda:{i}  {row}")
     lines += _backend_lines(n)
+    lines.append(_fp8_quantization_line(n))
     for var in _ENV_VARS:
         lines.append(f"{var}={os.environ.get(var, '(unset)')}")
     lines.append("NVLink multicast: never used by asynctp (no multimem/multicast calls), whatever the variables above say")
@@ -43,6 +44,19 @@ def report() -> list[str]:
     known = sum(1 for key in table if f"|{name}|" in key)
     lines.append(f"tuning: {cache_path()} over the shipped tables; {known} measured shapes for {name}")
     return lines
+
+
+def _fp8_quantization_line(n: int) -> str:
+    """How asynctp.float8 quantizes here: Triton kernels on CUDA, torch ops otherwise."""
+    if n == 0:
+        return "fp8 quantization: torch ops (CPU)"
+    if os.environ.get("ASYNCTP_FP8_KERNELS", "1") == "0":
+        return "fp8 quantization: torch ops (ASYNCTP_FP8_KERNELS=0)"
+    try:
+        import asynctp.float8.kernels  # noqa: F401
+    except ImportError as exc:
+        return f"fp8 quantization: torch ops, the Triton kernels cannot load ({exc}); a warning says so at first use"
+    return "fp8 quantization: Triton kernels on CUDA (one pass per tensor), torch ops under torch.compile"
 
 
 def _backend_lines(n: int) -> list[str]:

@@ -89,6 +89,15 @@ def test_doctor_reports_backend_and_versions():
     assert lines[0] == f"torch {torch.__version__}"
     assert any(line.startswith("backend:") for line in lines)
     assert any("multicast" in line for line in lines)
+    assert any(line.startswith("fp8 quantization: ") for line in lines)
+
+
+def test_doctor_names_how_fp8_is_quantized(monkeypatch):
+    from asynctp.doctor import _fp8_quantization_line
+
+    assert _fp8_quantization_line(0) == "fp8 quantization: torch ops (CPU)"
+    monkeypatch.setenv("ASYNCTP_FP8_KERNELS", "0")
+    assert "ASYNCTP_FP8_KERNELS=0" in _fp8_quantization_line(2)
 
 
 def test_compile_subpackage_loads_on_first_use():
