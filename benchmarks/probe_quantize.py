@@ -7,13 +7,16 @@ microseconds per call (CUDA events, median of 50 after 5 warm-up calls) and whet
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
 from asynctp.float8 import Float8Recipe
 from asynctp.float8 import quantize as q
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E4M3 = torch.float8_e4m3fn
+# the same calls with the kernels off: the torch formulas they replace
+torch_formulas = mock.patch.dict(os.environ, {"ASYNCTP_FP8_KERNELS": "0"})
 
 
 def time_us(fn, reps: int = 50) -> float:
@@ -41,19 +44,15 @@ def main() -> None:
         recipe = Float8Recipe.from_name(scaling)
         for name, shape in shapes:
             x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-            amax = q.abs_max(x).float()
 
             def kernels():
                 return q.quantize_rows(x, E4M3, recipe) if scaling == "rowwise" else q.quantize_tensor(x, q.abs_max(x), E4M3, recipe)
 
+            @torch_formulas
             def torch_ops():
-                os.environ["ASYNCTP_FP8_KERNELS"] = "0"
-                try:
-                    if scaling == "rowwise":
-                        return q.quantize_rows(x, E4M3, recipe)
-                    return q.quantize_tensor(x, x.abs().amax().float(), E4M3, recipe)
-                finally:
-                    os.environ.pop("ASYNCTP_FP8_KERNELS")
+                if scaling == "rowwise":
+                    return q.quantize_rows(x, E4M3, recipe)
+                return q.quantize_tensor(x, x.abs().amax().float(), E4M3, recipe)
 
             a, b = kernels(), torch_ops()
             same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
@@ -61,17 +60,9 @@ def main() -> None:
                    "torch_us": round(time_us(torch_ops), 1), "same_bytes": same}
             if "weight" in name:
                 w_k = lambda: q.quantize_weight_for_dgrad(x, recipe)  # noqa: E731
-
-                def w_t():
-                    os.environ["ASYNCTP_FP8_KERNELS"] = "0"
-                    try:
-                        return q.quantize_weight_for_dgrad(x, recipe)
-                    finally:
-                        os.environ.pop("ASYNCTP_FP8_KERNELS")
-
+                w_t = torch_formulas(w_k)
                 row["dgrad_kernel_us"], row["dgrad_torch_us"] = round(time_us(w_k), 1), round(time_us(w_t), 1)
                 row["dgrad_same_bytes"] = torch.equal(w_k()[0].view(torch.uint8), w_t()[0].view(torch.uint8))
-            del amax
             rows.append(row)
             print(row, flush=True)
     with open(os.path.join(out_dir, "probe_quantize.json"), "w") as f:

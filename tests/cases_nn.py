@@ -383,6 +383,7 @@ def float8_training_paths_agree(device: str, recipe: str, steps: int = 8) -> dic
     captures: at most one call in ten may be captured or eager). Returns each run's last-step
     graph counts."""
     import os
+    from unittest import mock
 
     from asynctp.demo.train import TrainSettings, Variant, train
 
@@ -391,13 +392,8 @@ def float8_training_paths_agree(device: str, recipe: str, steps: int = 8) -> dic
     variant = Variant("asynctp pipelined", asynchronous=True, strategy="pipeline")
     runs: dict[str, Any] = {}
     for name, env in (("default", {}), ("no graphs", {"ASYNCTP_GRAPHS": "0"}), ("torch quantization", {"ASYNCTP_FP8_KERNELS": "0"})):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):
             runs[name] = train(variant, settings, _mesh(device), torch.device(device))
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     reference = runs["default"].losses
     for name, run in runs.items():
         assert run.losses == reference, f"{name}: losses {run.losses} vs default {reference}"

@@ -88,9 +88,7 @@ def train(
     """Train a fresh model for settings.steps steps; on_step(step, loss, seconds) after each."""
     with contextlib.ExitStack() as stack:
         if variant.asynctp_pass:  # graphs compile lazily, at the first forward and backward
-            from asynctp.compile import enabled
-
-            from asynctp.compile import fusion_report
+            from asynctp.compile import enabled, fusion_report
 
             stack.enter_context(enabled())
             fusion_report(clear=True)
@@ -226,9 +224,11 @@ def _sync(device: torch.device) -> None:
 
 def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> dict[str, Any]:
     """The numbers the table and the JSON show for one run."""
-    timed = result.step_times[settings.warmup :] or result.step_times
-    host = result.host_times[settings.warmup :] or result.host_times
-    step_time = sorted(timed)[len(timed) // 2]
+    def median_after_warmup(times: list[float]) -> float | None:
+        timed = times[settings.warmup :] or times
+        return sorted(timed)[len(timed) // 2] if timed else None
+
+    step_time = median_after_warmup(result.step_times)
     tokens = settings.cfg.batch_size * settings.cfg.seq_len
     tail = result.losses[-min(5, len(result.losses)) :]
     return {
@@ -242,7 +242,7 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "final_loss_mean5": sum(tail) / len(tail),
         "losses": result.losses,
         "step_times_s": result.step_times,
-        "host_time_s": sorted(host)[len(host) // 2] if host else None,  # median, timed steps
+        "host_time_s": median_after_warmup(result.host_times),
         "host_times_s": result.host_times,
         "profile": result.profile,
         **({"fusion_report": result.fusion} if result.fusion else {}),

@@ -31,7 +31,7 @@ from asynctp.symm import resolve_group
 
 __all__ = [
     "quantize_activation", "quantize_weight", "amax_to_scale", "to_float8",
-    "quantize_rows", "quantize_tensor", "quantize_weight_for_dgrad", "dequantize", "abs_max",
+    "quantize_rows", "quantize_tensor", "quantize_weight_into", "quantize_weight_for_dgrad", "dequantize", "abs_max",
 ]
 
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -153,6 +153,16 @@ def quantize_tensor(
     return y, scale
 
 
+def quantize_weight_into(
+    w_hp: torch.Tensor, recipe: Float8Recipe, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight without its argument checks: (w_fp8 [N, K], scale [N, 1] or ()), for the
+    forward (b = w_fp8.t())."""
+    if recipe.scaling == "rowwise":
+        return quantize_rows(w_hp, recipe.weight_dtype, recipe, out=out, scale_out=scale_out)
+    return quantize_tensor(w_hp, abs_max(w_hp), recipe.weight_dtype, recipe, out=out, scale_out=scale_out)
+
+
 def quantize_weight_for_dgrad(
     w_hp: torch.Tensor, recipe: Float8Recipe, *, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +257,4 @@ def quantize_weight(w_hp: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Ten
     _check_recipe(recipe)
     if w_hp.ndim != 2:
         raise ValueError(f"w_hp requires a 2-D (N, K) weight, got shape {tuple(w_hp.shape)}")
-    if recipe.scaling == "rowwise":
-        return quantize_rows(w_hp, recipe.weight_dtype, recipe)
-    return quantize_tensor(w_hp, abs_max(w_hp), recipe.weight_dtype, recipe)
+    return quantize_weight_into(w_hp, recipe)

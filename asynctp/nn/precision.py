@@ -32,7 +32,8 @@ __all__ = ["Float8Matmuls", "resolve_float8"]
 # clear ValueError at the call that asked for fp8, not an AttributeError deep in backward
 _NEEDED = (
     ("asynctp.float8", ("Float8Recipe",)),
-    ("asynctp.float8.quantize", ("quantize_rows", "quantize_tensor", "quantize_weight_for_dgrad", "dequantize", "abs_max")),
+    ("asynctp.float8.quantize", ("quantize_rows", "quantize_tensor", "quantize_weight_into", "quantize_weight_for_dgrad",
+                                 "dequantize", "abs_max")),
     ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul",)),
     ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
 )
@@ -133,12 +134,9 @@ class Float8Matmuls:
 
     def _quantize_weight(self, role: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_fp8 [N, K], scale [N, 1] or ()) for the forward (b = w_fp8.t())."""
-        dtype = self.recipe.weight_dtype
-        if self.rowwise:
-            out, scale_out = self._kept(role, w, tuple(w.shape), dtype, (w.shape[0], 1))
-            return self.api.quantize_rows(w, dtype, self.recipe, out=out, scale_out=scale_out)
-        out, scale_out = self._kept(role, w, tuple(w.shape), dtype, ())
-        return self.api.quantize_tensor(w, self.api.abs_max(w), dtype, self.recipe, out=out, scale_out=scale_out)
+        scale_shape = (w.shape[0], 1) if self.rowwise else ()
+        out, scale_out = self._kept(role, w, tuple(w.shape), self.recipe.weight_dtype, scale_shape)
+        return self.api.quantize_weight_into(w, self.recipe, out=out, scale_out=scale_out)
 
     def _kept(
         self, role: str, like: torch.Tensor, shape: tuple, dtype: torch.dtype, scale_shape: tuple

@@ -112,7 +112,7 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
 
         return _pipelined(ring_reduce_scatter, group.rank(), *args())
     if ws is None or chosen == "serial":
-        return scaled_matmul_reduce_scatter_serial(*args()[:4], out_dtype, reduce_op, bias, use_fast_accum, group)
+        return scaled_matmul_reduce_scatter_serial(*args(), group)
     ws.op = "scaled_matmul_reduce_scatter"
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
