@@ -4,7 +4,9 @@ profiled with cProfile over a few warm steps (after CUDA-graph captures settled)
     python benchmarks/probe_host_step.py OUT_DIR [vanilla:none asynctp:rowwise asynctp:tensorwise asynctp:none ...]
 
 Writes OUT_DIR/host_<variant>_<recipe>.txt (pstats, top functions by own and cumulative time)
-and prints the host / step time per variant.
+and prints the host / step time per variant; then, with a CUDA-only torch profiler over the same
+number of steps, OUT_DIR/kernels_<variant>_<recipe>.txt: device time per step by kernel category
+(GEMM, quantization, elementwise, NCCL, copies, ...) and the top kernels, rank 0.
 """
 
 import cProfile
@@ -67,10 +69,59 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
                 f.write(f"{spec}: unprofiled host / step ms per step: {[(round(h * 1e3, 1), round(s * 1e3, 1)) for h, s in plain]}\n")
                 f.write(text.getvalue())
             print(f"{spec}: host {sorted(h for h, _ in plain)[2] * 1e3:.1f} ms, step {sorted(s for _, s in plain)[2] * 1e3:.1f} ms", flush=True)
+        kernel_breakdown(step, rank, os.path.join(out_dir, f"kernels_{name}_{recipe}.txt"), spec)
         del model, opt
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
+
+
+_CATEGORIES = (  # first match wins; names as the profiler reports kernels and copies
+    ("nccl", ("nccl",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "scaled_mm", "f8f8")),
+    ("quantize (triton)", ("_rows_kernel", "_tile_kernel", "_dequant_kernel")),
+    ("triton other", ("triton",)),
+    ("attention", ("flash", "fmha", "attention")),
+    ("copy", ("memcpy", "copy", "memset")),
+    ("reduce", ("reduce", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in _CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_breakdown(step, rank: int, path: str, spec: str, steps: int = 3) -> None:
+    """Device time per step by kernel category and the top kernels (rank 0 writes path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    if rank != 0:
+        return
+    per_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    per_cat: dict[str, float] = {}
+    for name, ms in per_name.items():
+        per_cat[_category(name)] = per_cat.get(_category(name), 0.0) + ms
+    lines = [f"{spec}: device ms per step by category (sum over streams; overlapped work counts twice)"]
+    lines += [f"  {cat:20s} {ms:8.2f}" for cat, ms in sorted(per_cat.items(), key=lambda kv: -kv[1])]
+    lines.append(f"  {'total':20s} {sum(per_cat.values()):8.2f}")
+    lines.append("top kernels, ms per step:")
+    for name, ms in sorted(per_name.items(), key=lambda kv: -kv[1])[:40]:
+        lines.append(f"  {ms:8.3f}  {_category(name):18s} {name[:110]}")
+    text = "\n".join(lines)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    print("\n".join(lines[: len(per_cat) + 2]), flush=True)
 
 
 if __name__ == "__main__":

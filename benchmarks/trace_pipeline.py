@@ -1,7 +1,7 @@
 """Developer probe: a CUDA-only profiler timeline of back-to-back pipelined calls (no host
 activity recorded, so the host is not slowed), printed per stream for rank 0.
 
-    PROBE_OP=ag|rs PROBE_M=8192 python benchmarks/trace_pipeline.py OUT_DIR
+    PROBE_OP=ag|rs PROBE_KIND=bf16|rowwise|tensorwise PROBE_M=8192 python benchmarks/trace_pipeline.py OUT_DIR
 """
 
 import json
@@ -17,7 +17,6 @@ import torch.multiprocessing as mp  # noqa: E402
 
 
 def main(rank, ws, out):
-    import asynctp
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.set_device(rank)
@@ -25,13 +24,15 @@ def main(rank, ws, out):
     g = dist.group.WORLD
     M = int(os.environ.get("PROBE_M", "8192"))
     op = os.environ.get("PROBE_OP", "ag")
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    kind = os.environ.get("PROBE_KIND", "bf16")  # bf16, rowwise, tensorwise
+    from benchmarks.probe_pipeline_plans import ag_case, rs_case
+
     if op == "ag":
-        a, b = torch.randn(M // ws, 8192, **bf), torch.randn(8192, 3584, **bf)
-        fn = lambda: asynctp.all_gather_matmul(a, [b], 0, g, strategy="pipeline")  # noqa: E731
+        _, _, call = ag_case(kind, M, g, ws)
+        fn = lambda: call("pipeline", False)  # noqa: E731
     else:
-        a, b = torch.randn(M, 3584, **bf), torch.randn(3584, 8192, **bf)
-        fn = lambda: asynctp.matmul_reduce_scatter(a, b, 0, g, strategy="pipeline")  # noqa: E731
+        _, call = rs_case(kind, M, g, ws)
+        fn = lambda: call("pipeline")  # noqa: E731
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -39,7 +40,7 @@ def main(rank, ws, out):
         for _ in range(6):
             fn()
         torch.cuda.synchronize()
-    path = os.path.join(out, f"trace_{op}{M}_rank{rank}.json")
+    path = os.path.join(out, f"trace_{op}_{kind}{M}_rank{rank}.json")
     prof.export_chrome_trace(path)
     if rank == 0:
         ev = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]

@@ -59,7 +59,7 @@ def measure_contention(group: dist.ProcessGroup, size: int = 8192, mb: int = 256
     ours = lambda: asynctp.all_gather(shard, 0, group)  # noqa: E731
     nccl = lambda: dist.all_gather_into_tensor(gathered, shard, group=group)  # noqa: E731
     mm = lambda: torch.mm(a, b)  # noqa: E731
-    asynctp.reserve(group, shard.numel() * 2, "cuda")
+    asynctp.reserve(group, world * shard.numel() * 2, "cuda")  # a push gather: one slot per rank
     for fn in (ours, nccl, mm):  # warm-up
         fn()
     # every count below must be the same on every rank (a collective issued by one rank only

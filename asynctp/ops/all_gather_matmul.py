@@ -123,7 +123,9 @@ def _pipelined(
     lockstep: bool, ring: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """ws: the workspace, or the process group when ring=True."""
-    rows = lay.new_rows(lay.shard_2d.shape[1])
+    # the gathered rows are materialized only for the caller (or the ring, which receives into
+    # them); the workspace's push gather hands the consumer its blocks where they landed
+    rows = lay.new_rows(lay.shard_2d.shape[1]) if (return_a or ring) else None
     if lay.k_mode:
         outs = _consume_k_blocks(ws, lay, rows, bs, biases, splits, ring)
     else:

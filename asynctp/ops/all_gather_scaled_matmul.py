@@ -149,7 +149,8 @@ def _ring_gather(group: dist.ProcessGroup, lay: GatherLayout, scale_2d: torch.Te
             extra = [] if scale_rows is None else [scale_rows[src * m + lo : src * m + lo + rows]]
             consume(src, lo, [blocks[0], *extra])
 
-        ring_gather_and_consume(group, shards[0], gathered[0], with_scale)
+        into = gathered[0] if gathered[0] is not None else shards[0].new_empty((world * m, *shards[0].shape[1:]))
+        ring_gather_and_consume(group, shards[0], into, with_scale)
 
     return gather
 
@@ -194,11 +195,13 @@ def _pipelined(
     """One gather (gather_and_consume over the workspace) moves a's rows (as bytes) and, when
     rowwise, the scale rows; gather(shards, gathered, consume, alternate) runs it."""
     m, world = lay.m, lay.world_size
-    rows = lay.new_rows(lay.shard_2d.shape[1])
-    shards, gathered = [lay.shard_2d.view(torch.uint8)], [rows.view(torch.uint8)]
+    # the gathered rows only for the caller: the consumer reads each block where it landed (the
+    # ring's gather makes its own receive buffer when given None)
+    rows = lay.new_rows(lay.shard_2d.shape[1]) if return_a else None
+    shards, gathered = [lay.shard_2d.view(torch.uint8)], [None if rows is None else rows.view(torch.uint8)]
     if scale_2d is not None:
         shards.append(scale_2d)
-        gathered.append(scale_2d.new_empty((world * m, 1)))
+        gathered.append(None)
     # pair the scales once, not per chunk: _scaled_mm takes rowwise only with per-column
     any_rowwise = scale_2d is not None or any(s.numel() != 1 for s in b_scales)
     a_fixed = expand_rows(a_scale, m) if (any_rowwise and scale_2d is None) else a_scale
@@ -216,7 +219,7 @@ def _pipelined(
         acc = KBlockAccumulator(m, world, bs, b_fixed, use_fast_accum)
 
         def consume_block(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
-            acc.add(src, lo, blocks[0].view(rows.dtype), block_scale(blocks))
+            acc.add(src, lo, blocks[0].view(lay.shard_2d.dtype), block_scale(blocks))
 
         # one stream: the accumulators are shared by every step
         gather(shards, gathered, consume_block, False)
@@ -225,7 +228,7 @@ def _pipelined(
         out_rows = [lay.new_rows(b.shape[1], dtype=out_dtype) for b in bs]
 
         def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
-            a_block, s_block = blocks[0].view(rows.dtype), block_scale(blocks)
+            a_block, s_block = blocks[0].view(lay.shard_2d.dtype), block_scale(blocks)
             start = src * m + lo
             for out, b, b_scale, bias in zip(out_rows, bs, b_fixed, biases):
                 scaled_mm(a_block, b, s_block, b_scale, out_dtype, bias=bias, use_fast_accum=use_fast_accum,

@@ -3,12 +3,23 @@
 Each rank's chunk is cut into `splits` row blocks, so the first remote matmul starts after one
 block has landed, not a whole chunk.
 
-gather_and_consume (pull-based ring, all-gather -> consumer), rank r:
+gather_and_consume (all-gather -> consumer), rank r, two ways of moving the blocks:
 
-    copy stream:  shard -> own buffer | barrier(0) | pull blocks of r+1, r+2, ... (an event per
-                  block) | barrier(1): peers are done reading r's buffer | local shard -> output
+  pull (ASYNCTP_GATHER=pull):
+    copy stream:  shard -> own buffer | barrier(0) | pull blocks of r+1, r+2, ... into the
+                  output (an event per block) | barrier(1): peers are done reading r's buffer |
+                  local shard -> output
     compute:      after barrier(0), consume(r) straight from the input, then each peer block
                   once its event fired, alternating the caller's stream and a side stream
+  push (the default):
+    copy stream:  barrier(0): every rank finished its previous op, slots are free | push each
+                  block of the shard into slot r of r+1, r+2, ..., then signal that peer |
+                  local shard -> output | each received block slot -> output once it arrived
+    compute:      after barrier(0), consume(r) straight from the input, then each block of
+                  r-1, r-2, ... straight from its slot in r's own buffer, after its signal
+  Push has no staging copy of the shard before the barrier (the lockstep local GEMM starts
+  sooner) and, when the caller does not keep the gathered tensor, no copy out of the buffer at
+  all; every push is matched by a wait on its signal, so no closing barrier is needed.
 
 produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
 
@@ -26,6 +37,7 @@ order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contrac
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -37,6 +49,16 @@ __all__ = ["gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
 
 _ALIGN = 256  # cuBLAS and the copy engines like 256-byte aligned operands
 _SIGNAL_BASE = 2  # signal channels start after the two barrier channels
+_GATHER_ENV = "ASYNCTP_GATHER"  # "pull" or "push" (the default): how gather_and_consume moves blocks
+_SIDE_REDUCE_ENV = "ASYNCTP_SIDE_REDUCE"  # "0": a reduction without GEMM epilogue stays inline (experiments)
+
+
+def gather_mode() -> str:
+    """How gather_and_consume moves the blocks: "push" (default) or "pull" (ASYNCTP_GATHER)."""
+    mode = os.environ.get(_GATHER_ENV, "") or "push"
+    if mode not in ("push", "pull"):
+        raise ValueError(f"{_GATHER_ENV} requires 'push' or 'pull', got {mode!r}")
+    return mode
 
 
 def _aligned(nbytes: int) -> int:
@@ -53,29 +75,93 @@ def row_blocks(rows: int, splits: int) -> list[tuple[int, int]]:
 def gather_and_consume(
     ws: Workspace,
     shards: list[torch.Tensor],
-    gathered: list[torch.Tensor],
+    gathered: list[torch.Tensor | None],
     consume: Callable[[int, int, list[torch.Tensor]], None],
     *,
     splits: int = 1,
     alternate: bool = True,
     lockstep: bool = False,
+    mode: str | None = None,
 ) -> None:
     """All-gather each shard ([m, ...], contiguous, same m) into gathered[i] ([R * m, ...], rank
-    order) and call consume(src_rank, row_lo, blocks) as blocks arrive: first the whole local
-    shard (row_lo 0), then each peer's row blocks. consume must only read its blocks; with
-    alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
-    lockstep: the local consume waits for the opening barrier (see below)."""
+    order; None: the caller does not keep it) and call consume(src_rank, row_lo, blocks) as
+    blocks arrive: first the whole local shard (row_lo 0), then each peer's row blocks. consume
+    must only read its blocks (they may be views of the workspace: never keep or return them);
+    with alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
+    lockstep: the local consume waits for the opening barrier (see below). mode: "push" or
+    "pull" (None: gather_mode())."""
+    mode = mode or gather_mode()
     with sm_carveout(ws.device, "pipeline"):
-        _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+        if mode == "push":
+            _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+        else:
+            gathered = [g if g is not None else t.new_empty((ws.world_size * t.shape[0], *t.shape[1:]))
+                        for g, t in zip(gathered, shards)]
+            _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+
+
+def _slots(shards: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offsets of each shard within one rank's slot, and the slot's size (aligned)."""
+    offsets, total = [], 0
+    for t in shards:
+        offsets.append(total)
+        total += _aligned(t.numel() * t.element_size())
+    return offsets, total
+
+
+def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep) -> None:
+    rank, world = ws.rank, ws.world_size
+    m = shards[0].shape[0]
+    offsets, total = _slots(shards)
+    ws.ensure(world * total)  # slot s of a rank's buffer: what rank s pushed to it
+    lanes = ws.lanes
+    blocks = row_blocks(m, splits)
+    keep = any(g is not None for g in gathered)
+
+    def slot(owner: int, src: int) -> list[torch.Tensor]:
+        return [ws.get_buffer(owner, t.shape, t.dtype, src * total + off) for t, off in zip(shards, offsets)]
+
+    lanes.fork()
+    with lanes.copy():
+        ws.barrier(channel=0)
+        in_step = lanes.mark() if lockstep else None
+    with lanes.compute(0):  # lockstep: see _gather_and_consume
+        lanes.wait(in_step)
+        consume(rank, 0, shards)
+    with lanes.copy():
+        for step in range(1, world):
+            dst = (rank + step) % world
+            theirs = slot(dst, rank)
+            for b, (lo, hi) in enumerate(blocks):
+                for p, t in zip(theirs, shards):
+                    p[lo:hi].copy_(t[lo:hi])
+                ws.put_signal(dst, channel=_SIGNAL_BASE + b)
+        for g, t in zip(gathered, shards):
+            if g is not None:
+                g[rank * m : (rank + 1) * m].copy_(t)
+    i = 0
+    for step in range(1, world):
+        src = (rank - step) % world  # the peer whose first push goes to this rank at this step
+        mine = slot(rank, src)
+        for b, (lo, hi) in enumerate(blocks):
+            with lanes.compute(i + 1 if alternate else 0):
+                ws.wait_signal(src, channel=_SIGNAL_BASE + b)
+                landed = lanes.mark() if keep else None  # the copy out need not wait for consume
+                consume(src, lo, [p[lo:hi] for p in mine])
+            if keep:
+                with lanes.copy():
+                    lanes.wait(landed)
+                    for g, p in zip(gathered, mine):
+                        if g is not None:
+                            g[src * m + lo : src * m + hi].copy_(p[lo:hi])
+            i += 1
+    lanes.join()
 
 
 def _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep) -> None:
     rank, world = ws.rank, ws.world_size
     m = shards[0].shape[0]
-    offsets, total = [], 0
-    for t in shards:
-        offsets.append(total)
-        total += _aligned(t.numel() * t.element_size())
+    offsets, total = _slots(shards)
     ws.ensure(total)
     lanes = ws.lanes
     blocks = row_blocks(m, splits)
@@ -121,16 +207,19 @@ def produce_and_reduce_scatter(
     reduce_op: str,
     *,
     splits: int = 1,
+    fused_acc: bool = True,
 ) -> torch.Tensor:
     """Reduce-scatter of partials made on the fly. produce(dst_rank, lo, hi, out, acc) writes this
     rank's partial for rows lo:hi of dst_rank's chunk into out ([hi - lo, n]); when acc is given
-    it must write acc + partial instead (one rounding: the GEMM epilogue). Returns this rank's
-    reduced chunk, a fresh [m, n] tensor."""
+    it must write acc + partial instead (one rounding: the GEMM epilogue). fused_acc=False: the
+    producer has no such epilogue (acc is never given); each own block's reduction then runs on
+    the side stream, under the next block's GEMM, and only the last one adds to the tail.
+    Returns this rank's reduced chunk, a fresh [m, n] tensor."""
     with sm_carveout(ws.device, "pipeline"):
-        return _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits)
+        return _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits, fused_acc)
 
 
-def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits) -> torch.Tensor:
+def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits, fused_acc) -> torch.Tensor:
     rank, world = ws.rank, ws.world_size
     m, n = chunk_shape
     chunk_bytes = _aligned(m * n * dtype.itemsize)
@@ -145,6 +234,8 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     # fork: freeing it after the join is then ordered after every use
     out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
     partials = torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
+    epilogue = fused_acc and world == 2 and reduce_op == "sum"  # the GEMM adds the received partial
+    own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
@@ -164,25 +255,36 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     for b, (lo, hi) in enumerate(blocks):
         for step in range(1, world):
             ws.wait_signal((rank - step) % world, channel=_SIGNAL_BASE + b)
-        if world == 2 and reduce_op == "sum":
+        if epilogue:
             produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
+            continue
+        if own_partial is not None:
+            produce(rank, lo, hi, own_partial[lo:hi], None)
+            parts = [slot(rank, 1 - rank)[lo:hi], own_partial[lo:hi]]  # received + own, as the epilogue
         else:
             produce(rank, lo, hi, own[lo:hi], None)
-            if packed:
-                parts = ws.get_buffer(rank, (world, *chunk_shape), dtype, 0)[:, lo:hi]
-            else:
-                parts = torch.stack([slot(rank, src)[lo:hi] for src in range(world)])
+            parts = (ws.get_buffer(rank, (world, *chunk_shape), dtype, 0)[:, lo:hi] if packed
+                     else [slot(rank, src)[lo:hi] for src in range(world)])
+        if fused_acc or os.environ.get(_SIDE_REDUCE_ENV) == "0":
+            _reduce_into(out[lo:hi], parts, reduce_op)
+            continue
+        produced = lanes.mark()
+        with lanes.compute(1):  # under the next block's GEMM
+            lanes.wait(produced)
             _reduce_into(out[lo:hi], parts, reduce_op)
     lanes.join()
     return out
 
 
-def _reduce_into(out: torch.Tensor, parts: torch.Tensor, reduce_op: str) -> None:
-    """out = sum (or mean) over dim 0 of parts, accumulated in fp32, rounded once."""
-    world = parts.shape[0]
+def _reduce_into(out: torch.Tensor, parts: torch.Tensor | list[torch.Tensor], reduce_op: str) -> None:
+    """out = sum (or mean) over dim 0 of parts (a stacked tensor or a list), accumulated in fp32,
+    rounded once."""
+    world = len(parts)
     if world == 2 and reduce_op == "sum":
         torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
         return
+    if isinstance(parts, list):
+        parts = torch.stack(parts)
     acc_dtype = torch.float64 if parts.dtype == torch.float64 else torch.float32
     total = torch.sum(parts, dim=0, dtype=acc_dtype)
     if reduce_op == "avg":

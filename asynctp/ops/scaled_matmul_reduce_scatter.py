@@ -118,7 +118,9 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
 
     def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
-        return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits)
+        # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself
+        return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits,
+                                          fused_acc=False)
 
     def body():
         return _pipelined(reduce_scatter, ws.rank, *args())

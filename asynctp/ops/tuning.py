@@ -20,6 +20,7 @@ __all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
+_LOCKSTEP_ENV = "ASYNCTP_LOCKSTEP"  # force the all-gather's lockstep on (1) or off (0) (experiments)
 # Total matmul FLOPs under which a pipeline is not assumed to pay, without a tuning entry. On
 # 2xH200 with eager calls replayed from CUDA graphs (ops/graphs.py; fourth session) the pipeline
 # beat serial at every seed shape from M 2048 (N 3584, K 8192), bf16 and fp8; before those
@@ -129,6 +130,8 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     _, m_total, _, _ = shape_key
     rows = m_total // world_size
     lockstep = op == "all_gather_matmul" and rows >= 2048
+    if os.environ.get(_LOCKSTEP_ENV, "") in ("0", "1"):
+        lockstep = os.environ[_LOCKSTEP_ENV] == "1"
     if forced:  # at most 8: the signal channels of the blocks must fit the workspace's flags
         return max(1, min(8, int(forced))), lockstep
     if world_size != 2:

@@ -11,7 +11,8 @@ watchdog watches their replays). Multicast is never used.
 Flags are set by the peer and reset by their owner after the wait. A flag's next set must come
 after its reset; the pipelines (ops/pipeline.py) order it so: every op opens with barrier 0, and
 after it each rank waits for something every peer issued after its own barrier-0 reset (the
-closing barrier 1 of an all-gather, the pushed blocks' signals of a reduce-scatter); the next
+closing barrier 1 of a pull all-gather, the pushed blocks' signals of a push all-gather and of a
+reduce-scatter); the next
 op's barrier-0 set is issued after those waits, and the signals of the next op after its
 barrier 0.
 """

@@ -8,7 +8,8 @@ Workspace contract (every op that touches a workspace keeps it; the pipelines re
   is an error: call `reserve(nbytes)` before capturing.
 - Between two ops no rank has a remote access to any workspace pending. An op opens its remote
   accesses after a barrier that every rank entered after finishing its previous op, and closes
-  them with a barrier before it returns. Local writes at an op's start are therefore safe.
+  them before it returns: with a barrier, or by waiting for the signal that follows every write
+  a peer made into its buffer. Local writes at an op's start are therefore safe.
 - Ops called on different streams are serialized on the workspace (the second waits for the
   first: they would share its bytes). For real concurrency, use one process group per stream.
   Ops must not be called from several host threads at once on one group.

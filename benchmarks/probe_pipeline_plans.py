@@ -1,0 +1,142 @@
+"""Developer probe (not the benchmark): the pipelined all-gather and reduce-scatter plans side by
+side on one machine, bf16 and fp8 (rowwise, tensorwise), seed shapes (N 3584, K 8192), all local
+GPUs: gather mode (push / pull), row blocks, lockstep, the gathered output kept or not, the
+reduce-scatter's side-stream reduction on/off. Every variant is checked against serial (exact)
+before it is timed. Times: median us over 30 eager calls, slowest rank (eager calls replay from
+asynctp's CUDA graphs after their second sighting, as in training).
+
+    PROBE_M=4096,8192 PROBE_KINDS=bf16,rowwise,tensorwise python benchmarks/probe_pipeline_plans.py OUT_DIR
+"""
+
+import itertools
+import json
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from benchmarks.probe_pipeline import timeit, with_env  # noqa: E402  (median us, max over ranks)
+
+MS = [int(s) for s in os.environ.get("PROBE_M", "4096,8192").split(",")]
+KINDS = os.environ.get("PROBE_KINDS", "bf16,rowwise,tensorwise").split(",")
+E4M3 = torch.float8_e4m3fn
+
+
+def envs(**kv):
+    """fn -> fn called with the environment variables set (None: unset)."""
+    def wrap(fn):
+        for name, value in kv.items():
+            if value is not None:
+                fn = with_env(name, value, fn)
+        return fn
+    return wrap
+
+
+def ag_case(kind, M, g, ws):
+    import asynctp
+
+    K, N = 8192, 3584
+    dev = dict(device="cuda")
+    a = torch.randn(M // ws, K, **dev)
+    b = torch.randn(N, K, **dev) / 64
+    if kind == "bf16":
+        a, b = a.bfloat16(), b.bfloat16().t()
+        full = torch.empty(M, K, **dev, dtype=torch.bfloat16)
+        mm = lambda: torch.mm(full, b)  # noqa: E731
+        call = lambda s, ra: asynctp.all_gather_matmul(a, [b], 0, g, return_a=ra, strategy=s)  # noqa: E731
+        return a, mm, call
+    rowwise = kind == "rowwise"
+    a8, b8 = a.to(E4M3), b.to(E4M3).t()
+    sa = (torch.rand(M // ws, 1, **dev) + 0.5) if rowwise else torch.tensor(0.5, **dev)
+    sb = (torch.rand(1, N, **dev) + 0.5) if rowwise else torch.tensor(0.25, **dev)
+    full, sfull = torch.empty(M, K, **dev, dtype=E4M3), (torch.ones(M, 1, **dev) if rowwise else sa)
+    mm = lambda: torch._scaled_mm(full, b8, sfull, sb, out_dtype=torch.bfloat16)  # noqa: E731
+    call = lambda s, ra: asynctp.all_gather_scaled_matmul(a8, [b8], sa, [sb], 0, g, return_a=ra, strategy=s)  # noqa: E731
+    return a8, mm, call
+
+
+def rs_case(kind, M, g, ws):
+    import asynctp
+
+    K, N = 3584, 8192
+    dev = dict(device="cuda")
+    a = torch.randn(M, K, **dev)
+    b = torch.randn(N, K, **dev) / 64
+    if kind == "bf16":
+        a, b = a.bfloat16(), b.bfloat16().t()
+        return lambda: torch.mm(a, b), lambda s: asynctp.matmul_reduce_scatter(a, b, 0, g, strategy=s)
+    rowwise = kind == "rowwise"
+    a8, b8 = a.to(E4M3), b.to(E4M3).t()
+    sa = (torch.rand(M, 1, **dev) + 0.5) if rowwise else torch.tensor(0.5, **dev)
+    sb = (torch.rand(1, N, **dev) + 0.5) if rowwise else torch.tensor(0.25, **dev)
+    mm = lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
+    call = lambda s: asynctp.scaled_matmul_reduce_scatter(a8, b8, sa, sb, 0, g, strategy=s)  # noqa: E731
+    return mm, call
+
+
+def same(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return torch.equal(x, y)
+    if x is None or y is None:
+        return x is y
+    return all(same(p, q) for p, q in zip(x, y))
+
+
+def main(rank, ws, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29535", rank=rank, world_size=ws)
+    g = dist.group.WORLD
+    rows = []
+    for kind, M in itertools.product(KINDS, MS):
+        torch.manual_seed(rank)
+        shard, mm, call = ag_case(kind, M, g, ws)
+        gathered = torch.empty(M // ws * ws, *shard.shape[1:], device="cuda", dtype=shard.dtype)
+        r = {"op": "ag", "kind": kind, "M": M, "mm": timeit(mm),
+             "comm": timeit(lambda: dist.all_gather_into_tensor(gathered.view(torch.uint8), shard.view(torch.uint8), group=g)),
+             "serial": timeit(lambda: call("serial", False))}
+        ref = call("serial", True)
+        for mode, sp, ls, ra in itertools.product(("push", "pull"), (1, 2, 4), (1, 0), (False, True)):
+            fn = envs(ASYNCTP_GATHER=mode, ASYNCTP_SPLITS=sp, ASYNCTP_LOCKSTEP=ls)(lambda ra=ra: call("pipeline", ra))
+            got = fn()
+            ok = same(got[1], ref[1]) and (not ra or same(got[0], ref[0]))
+            assert ok, f"ag {kind} M{M} {mode} s{sp} l{ls} ra{ra}: differs from serial"
+            r[f"{mode}_s{sp}_l{ls}{'_ra' if ra else ''}"] = timeit(fn)
+        r["auto"] = timeit(lambda: call("auto", False))
+        rows.append(r)
+        if rank == 0:
+            print(json.dumps(r), flush=True)
+        del shard, mm, call, gathered, ref
+        torch.manual_seed(rank)
+        mm, call = rs_case(kind, M, g, ws)
+        r = {"op": "rs", "kind": kind, "M": M, "mm": timeit(mm), "serial": timeit(lambda: call("serial"))}
+        ref = call("serial")
+        for sp, side in itertools.product((1, 2, 4), ("1", "0")):
+            if kind == "bf16" and side == "0":
+                continue  # bf16 with 2 ranks reduces in the GEMM's epilogue
+            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_SIDE_REDUCE=side)(lambda: call("pipeline"))
+            got = fn()
+            if ws == 2:
+                assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} side{side}: differs from serial"
+            r[f"s{sp}_side{side}"] = timeit(fn)
+        r["auto"] = timeit(lambda: call("auto"))
+        rows.append(r)
+        if rank == 0:
+            print(json.dumps(r), flush=True)
+        del mm, call, ref
+        torch.cuda.empty_cache()
+    if rank == 0:
+        with open(os.path.join(out, "pipeline_plans.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.makedirs(sys.argv[1], exist_ok=True)
+    n = torch.cuda.device_count()
+    mp.spawn(main, args=(n, sys.argv[1]), nprocs=n)
