@@ -52,4 +52,5 @@ def main(rank, ws, out):
 
 
 if __name__ == "__main__":
+    os.makedirs(sys.argv[1], exist_ok=True)
     mp.spawn(main, args=(torch.cuda.device_count(), sys.argv[1]), nprocs=torch.cuda.device_count())

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from asynctp.ops.pipeline import gather_mode
+
 __all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
@@ -124,7 +126,10 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     previous op early does not start a persistent GEMM that then holds the SMs when its remote
     data lands. Measured on 2xH200 with benchmarks/probe_pipeline.py (bf16, N 3584, K 8192):
     lockstep 750 us vs 830-890 at M 8192, 230-240 vs 180-190 at M 2048, even at M 4096; two
-    blocks best for reduce-scatter from 2048 rows per rank, for all-gather at 2048 rows.
+    blocks best for reduce-scatter from 2048 rows per rank, for the pull all-gather at 2048 rows.
+    The push all-gather (sixth session, benchmarks/probe_pipeline_plans.py, bf16 and fp8 rowwise
+    and tensorwise, M 4096 and 8192): one block best at both sizes (bf16 M 4096 356 vs 374 us with
+    two, fp8 rowwise M 8192 373 vs 402); lockstep equal or better.
     """
     forced = os.environ.get(_SPLITS_ENV)
     _, m_total, _, _ = shape_key
@@ -137,6 +142,8 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     if world_size != 2:
         return 1, lockstep
     if op == "all_gather_matmul":
+        if gather_mode() == "push":
+            return 1, lockstep
         return (2 if rows == 2048 else 1), lockstep
     return (2 if rows >= 2048 else 1), lockstep
 
