@@ -158,6 +158,7 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     the synchronize ended (the context is lost: the test throws this pool away).
     replay: the op is called three times on every rank first, so the stuck call is replayed
     from asynctp's CUDA graph (ops/graphs.py)."""
+    import faulthandler
     import logging
 
     from asynctp.ops import graphs
@@ -184,6 +185,8 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
 
     logging.getLogger("asynctp").addHandler(Keep())
     replays = graphs.stats(workspace)["replayed"]
+    # a rank still here after 40 s (the pool gives up at 60) prints where every thread is
+    faulthandler.dump_traceback_later(40)
     call()
     how = "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
     deadline = time.monotonic() + 3 + 5
@@ -204,4 +207,5 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     waiter = threading.Thread(target=sync, daemon=True)
     waiter.start()
     waiter.join(20)
+    faulthandler.cancel_dump_traceback_later()
     return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'} | {how}"
