@@ -283,10 +283,16 @@ def _reduce_into(out: torch.Tensor, parts: torch.Tensor | list[torch.Tensor], re
     if world == 2 and reduce_op == "sum":
         torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
         return
+    acc_dtype = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
     if isinstance(parts, list):
-        parts = torch.stack(parts)
-    acc_dtype = torch.float64 if parts.dtype == torch.float64 else torch.float32
-    total = torch.sum(parts, dim=0, dtype=acc_dtype)
+        # summed one by one, not torch.stack'ed: on 4xH200 a stack here blocked the host until
+        # the stream had passed its wait for the peers (a hang when a peer never came, found by
+        # the stuck-wait test), and it copies every part once more
+        total = parts[0].to(acc_dtype, copy=True)
+        for part in parts[1:]:
+            total.add_(part)
+    else:
+        total = torch.sum(parts, dim=0, dtype=acc_dtype)
     if reduce_op == "avg":
         total.div_(world)
     out.copy_(total)
