@@ -129,7 +129,9 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     blocks best for reduce-scatter from 2048 rows per rank, for the pull all-gather at 2048 rows.
     The push all-gather (sixth session, benchmarks/probe_pipeline_plans.py, bf16 and fp8 rowwise
     and tensorwise, M 4096 and 8192): one block best at both sizes (bf16 M 4096 356 vs 374 us with
-    two, fp8 rowwise M 8192 373 vs 402); lockstep equal or better.
+    two, fp8 rowwise M 8192 373 vs 402); lockstep equal or better. 4xH200, M 8192 (2048 rows per
+    rank): one block best for the push all-gather too (bf16 725 vs 780 us), two for the
+    reduce-scatter (bf16 838 vs 866, fp8 rowwise 591 vs 629).
     """
     forced = os.environ.get(_SPLITS_ENV)
     _, m_total, _, _ = shape_key
@@ -139,10 +141,8 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
         lockstep = os.environ[_LOCKSTEP_ENV] == "1"
     if forced:  # at most 8: the signal channels of the blocks must fit the workspace's flags
         return max(1, min(8, int(forced))), lockstep
-    if world_size != 2:
-        return 1, lockstep
     if op == "all_gather_matmul":
-        if gather_mode() == "push":
+        if world_size != 2 or gather_mode() == "push":
             return 1, lockstep
         return (2 if rows == 2048 else 1), lockstep
     return (2 if rows >= 2048 else 1), lockstep
