@@ -22,9 +22,11 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from asynctp.ops import graphs
+from asynctp.symm import resolve_group
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
@@ -122,14 +124,19 @@ class Float8Matmuls:
         self, role: str, t: torch.Tensor, dtype: torch.dtype, group_name: str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(t_fp8, scale), current scaling; a tensorwise amax is agreed over `group_name` (the
-        tensor will be gathered), through a functional collective so torch.compile can trace it."""
+        tensor will be gathered): a plain all-reduce in eager mode (the fifth session's profiles
+        put the functional collective's wrapping among the tensorwise recipe's host costs), a
+        functional collective under torch.compile, which can trace it."""
         scale_shape = tuple(t.shape[:-1]) + (1,) if self.rowwise else ()
         out, scale_out = self._kept(role, t, tuple(t.shape), dtype, scale_shape)
         if self.rowwise:
             return self.api.quantize_rows(t, dtype, self.recipe, out=out, scale_out=scale_out)
-        amax = self.api.abs_max(t).float()
+        amax = self.api.abs_max(t.detach()).float()
         if group_name is not None:
-            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_name))
+            if torch.compiler.is_compiling():  # traceable
+                amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_name))
+            else:  # eager: in place on the fresh amax, without functional-collective wrapping
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=resolve_group(group_name))
         return self.api.quantize_tensor(t, amax, dtype, self.recipe, out=out, scale_out=scale_out)
 
     def _quantize_weight(self, role: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
