@@ -7,6 +7,7 @@ rank's inputs from seeds, so the reference needs no collective at all.
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -105,6 +106,15 @@ def all_gather_matmul_grid(device: str, dtype_name: str, strategy: str) -> int:
                 check_ag_case(device, dtype, ndim, gather_dim, num_bs, with_bias, return_a, strategy, seed=count)
                 count += 1
     return count
+
+
+def under_env(env: dict[str, str], fn, *args):
+    """fn(*args) with os.environ updated by env for the call (the pipelines read their plan
+    switches, ASYNCTP_GATHER / ASYNCTP_SPLITS / ..., at every call)."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, env):
+        return fn(*args)
 
 
 def matmul_reduce_scatter_grid(device: str, dtype_name: str, strategy: str) -> int:

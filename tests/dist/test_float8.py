@@ -23,6 +23,17 @@ def test_scaled_matmul_reduce_scatter(pool, strategy):
     assert pool.run(cases.scaled_matmul_reduce_scatter_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
+@pytest.mark.parametrize("env", [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_SIDE_REDUCE": "0"}],
+                         ids=["pull", "3-blocks-inline-reduce"])
+def test_pipeline_plans_match_reference(pool, env):
+    """The other gather mode, several row blocks, the inline reduction: exact as the default."""
+    from tests.cases import under_env
+
+    assert pool.run(under_env, env, cases.all_gather_scaled_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
+    if "ASYNCTP_SPLITS" in env:
+        assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
+
+
 @pytest.mark.parametrize("splits", [None, 3], ids=["whole-chunks", "3-row-blocks"])
 def test_misaligned_scale_slices(pool, splits):
     assert pool.run(cases.alignment_cases, DEVICE, splits)[0] == 8 * 3 * 4 + 2

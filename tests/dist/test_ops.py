@@ -22,6 +22,18 @@ def test_matmul_reduce_scatter(pool, dtype, strategy):
     assert counts[0] == 28
 
 
+# the default plan is push, one row block (shapes this small): the other gather mode and
+# several row blocks per chunk must give the same exact results
+PLANS = [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3"}, {"ASYNCTP_GATHER": "pull", "ASYNCTP_SPLITS": "3"}]
+
+
+@pytest.mark.parametrize("env", PLANS, ids=["pull", "push-3-blocks", "pull-3-blocks"])
+def test_pipeline_plans_match_reference(pool, env):
+    assert pool.run(cases.under_env, env, cases.all_gather_matmul_grid, DEVICE, "float32", "pipeline")[0] == 28
+    if "ASYNCTP_SPLITS" in env:
+        assert pool.run(cases.under_env, env, cases.matmul_reduce_scatter_grid, DEVICE, "float32", "pipeline")[0] == 28
+
+
 def test_outputs_do_not_alias_workspace(pool):
     pool.run(cases.outputs_do_not_alias, DEVICE)
 
