@@ -6,7 +6,8 @@ profiled with cProfile over a few warm steps (after CUDA-graph captures settled)
 Writes OUT_DIR/host_<variant>_<recipe>.txt (pstats, top functions by own and cumulative time)
 and prints the host / step time per variant; then, with a CUDA-only torch profiler over the same
 number of steps, OUT_DIR/kernels_<variant>_<recipe>.txt: device time per step by kernel category
-(GEMM, quantization, elementwise, NCCL, copies, ...) and the top kernels, rank 0.
+(GEMM, quantization, elementwise, NCCL, copies, ...) and the top kernels, rank 0. PROBE_OPS=1:
+also OUT_DIR/ops_<variant>_<recipe>.txt, aten ops by device time grouped by input shapes.
 """
 
 import cProfile
@@ -70,6 +71,8 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
                 f.write(text.getvalue())
             print(f"{spec}: host {sorted(h for h, _ in plain)[2] * 1e3:.1f} ms, step {sorted(s for _, s in plain)[2] * 1e3:.1f} ms", flush=True)
         kernel_breakdown(step, rank, os.path.join(out_dir, f"kernels_{name}_{recipe}.txt"), spec)
+        if os.environ.get("PROBE_OPS"):  # which ops (and shapes) launch the copies and elementwise kernels
+            ops_by_shape(step, rank, os.path.join(out_dir, f"ops_{name}_{recipe}.txt"))
         del model, opt
         torch.cuda.empty_cache()
     dist.barrier()
@@ -122,6 +125,23 @@ def kernel_breakdown(step, rank: int, path: str, spec: str, steps: int = 3) -> N
     with open(path, "w") as f:
         f.write(text + "\n")
     print("\n".join(lines[: len(per_cat) + 2]), flush=True)
+
+
+def ops_by_shape(step, rank: int, path: str, steps: int = 2) -> None:
+    """aten ops by device time they launched, grouped by input shapes (CPU + CUDA profiler, so
+    the step runs slower: device times only), rank 0 writes path. For the copies, casts and
+    elementwise work around the matmuls that the kernel table cannot attribute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    if rank != 0:
+        return
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=60,
+                                                                max_name_column_width=60, max_shapes_column_width=80)
+    with open(path, "w") as f:
+        f.write(f"{steps} steps\n{table}\n")
 
 
 if __name__ == "__main__":
