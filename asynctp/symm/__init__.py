@@ -116,7 +116,12 @@ def unavailable_reason(group: Any, device: torch.device | str) -> str | None:
 
 
 def reserve(group: Any, nbytes: int, device: torch.device | str | None = None) -> None:
-    """Size the group's workspace up front (collective). Needed before CUDA-graph capture."""
+    """Size the group's workspace up front (collective). Needed before CUDA-graph capture.
+
+    nbytes: the most any captured op needs. A pipelined all-gather needs R x its shard's bytes
+    (plus R x 4 bytes a row for a rowwise fp8 scale), a reduce-scatter R x its output chunk's
+    bytes, each part rounded up to 256 bytes (R: the group's size). An op that finds the
+    workspace too small during capture raises with the number to pass here."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     ws = get_workspace(group, device)
