@@ -44,7 +44,8 @@ def all_gather_matmul(
     Several bs share one gather (fused QKV, w1 + w3). Outputs never alias a shared buffer.
 
     strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
-    (each rank pushes its shard into its peers' symmetric buffers by copy engine, block by block, the matmuls reading each block where it landed).
+    (each rank pushes its shard into its peers' symmetric buffers by copy engine, block by block;
+    the matmuls read each block where it landed).
     """
     pg = resolve_group(group)
     dim, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, pg.size(), biases, strategy)

@@ -60,7 +60,8 @@ def all_gather_scaled_matmul(
     out_dtype: torch.bfloat16 or torch.float32. Outputs never alias a shared buffer.
 
     strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
-    (each rank pushes its shard into its peers' symmetric buffers by copy engine, block by block, the matmuls reading each block where it landed), "ring"
+    (each rank pushes its shard into its peers' symmetric buffers by copy engine, block by block;
+    the matmuls read each block where it landed), "ring"
     (send/recv, for groups without peer memory; a rowwise scale is all-gathered up front).
     """
     pg = resolve_group(group)

@@ -1,7 +1,7 @@
 """The cuda backend: torch.distributed._symmetric_memory buffers, peer-mapped over NVLink.
 
-Peer buffers are plain device pointers in this process, so `dst.copy_(peer_view)` is a
-cudaMemcpyAsync that runs on a copy engine and leaves every SM to the matmuls. Barriers and
+Peer buffers are plain device pointers in this process, so `peer_view.copy_(src)` (or the
+reverse) is a cudaMemcpyAsync that runs on a copy engine and leaves every SM to the matmuls. Barriers and
 signals are stream memory operations on flags in the signal pad (streamops.py: no SM, a few
 microseconds of host time each). Where the driver lacks them, with ASYNCTP_SIGNALS=torch, and
 in a CUDA graph the caller captures, torch's stream-ordered signal-pad kernels: those time out on
