@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="asynctp re-gathers column-parallel inputs in backward instead of keeping them (less memory)")
     parser.add_argument("--no-shared-gather", action="store_true",
                         help="asynctp gathers once per linear (as vanilla TP does) instead of once for wq/wk/wv and w1/w3")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the variants step by step in turn (every model alive at once) instead of one after "
+                             "the other: a machine's drift then touches every run alike (eager runs only; no per-run "
+                             "peak memory)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: per model size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="use 2 CPU processes (gloo) even when GPUs are present")
@@ -70,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
             flag = "--profile" if args.profile else "--torch-async-tp"
             print(f"asynctp demo: {flag} requires >= 2 GPUs, got {num_gpus}", file=sys.stderr)
             return 2
+    if args.interleave and (args.compile or args.torch_async_tp or args.asynctp_pass):
+        print("asynctp demo: --interleave requires eager runs, got --compile, --torch-async-tp or --asynctp-pass",
+              file=sys.stderr)
+        return 2
     model_name = args.model or ("8b-block" if on_gpu else "tiny")
     from asynctp.demo.model import SIZES
     from asynctp.demo.train import VARIANTS, TrainSettings
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         profile_steps=5 if args.profile else 0,
         save_gathered_input=not args.regather_input,
         share_gathers=not args.no_shared_gather,
+        interleave=args.interleave,
     )
     if settings.steps < 1:
         print(f"asynctp demo: --steps requires a positive number, got {settings.steps}", file=sys.stderr)
@@ -161,13 +170,16 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, init_metho
             device = torch.device("cpu")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=600))
         mesh = init_device_mesh(device_type, (world,))
-        runs = []
-        for variant in variants:
-            progress = _Progress(variant.name, settings) if rank == 0 else None
-            result = train(variant, settings, mesh, device, on_step=progress.update if progress else None)
-            if progress:
-                progress.close()
-            runs.append(summarize(result, settings, world))
+        if settings.interleave:
+            runs = [summarize(r, settings, world) for r in _train_in_turn(rank, variants, settings, mesh, device)]
+        else:
+            runs = []
+            for variant in variants:
+                progress = _Progress(variant.name, settings) if rank == 0 else None
+                result = train(variant, settings, mesh, device, on_step=progress.update if progress else None)
+                if progress:
+                    progress.close()
+                runs.append(summarize(result, settings, world))
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
@@ -175,6 +187,22 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, init_metho
     except BaseException:  # noqa: BLE001 - the parent prints it and fails
         results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))
         raise SystemExit(1) from None
+
+
+def _train_in_turn(rank: int, variants: list, settings: Any, mesh: Any, device: torch.device) -> list:
+    """train_interleaved with one progress bar for the rounds (the asynctp run's loss and speed)."""
+    from asynctp.demo.train import train_interleaved
+
+    progress = _Progress(f"{len(variants)} runs in turn", settings) if rank == 0 else None
+
+    def on_step(index: int, step: int, loss: float, seconds: float) -> None:
+        if progress is not None and index == 1:
+            progress.update(step, loss, seconds)
+
+    results = train_interleaved(variants, settings, mesh, device, on_step=on_step)
+    if progress:
+        progress.close()
+    return results
 
 
 class _Progress:
@@ -267,7 +295,7 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
                      "seed": settings.seed, "float8": settings.float8, "compile": settings.compile,
                      "warmup_steps_excluded": settings.warmup, "profile_steps": settings.profile_steps,
                      "save_gathered_input": settings.save_gathered_input and settings.float8 is None,
-                     "share_gathers": settings.share_gathers},
+                     "share_gathers": settings.share_gathers, "interleave": settings.interleave},
         "versions": versions(),
         "runs": runs,
         "comparison": compared,

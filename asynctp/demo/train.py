@@ -19,7 +19,7 @@ from asynctp.demo.data import MarkovTokens
 from asynctp.demo.model import ModelConfig, Transformer
 from asynctp.demo.plan import parallelize
 
-__all__ = ["Variant", "TrainSettings", "train", "VARIANTS"]
+__all__ = ["Variant", "TrainSettings", "train", "train_interleaved", "VARIANTS"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ class TrainSettings:
     save_gathered_input: bool = True
     # async: wq / wk / wv and w1 / w3 share one gather per block (SharedGather)
     share_gathers: bool = True
+    # the runs advance step by step in turn (train_interleaved), not one after the other
+    interleave: bool = False
 
 
 @dataclass
@@ -99,61 +101,116 @@ def train(
 
 
 def _train(variant, settings, mesh, device, on_step) -> RunResult:
-    cfg = settings.cfg
-    model = _build(variant, settings, mesh, device)
-    # fused on CUDA (one kernel per parameter group, as torchtitan runs it): the foreach
-    # implementation over DTensor parameters spends ~15 ms of host time a step at the 8B block
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
-    )
-    data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
-    result = RunResult(variant.name)
     from asynctp.ops import graphs
 
+    run = _Run(variant, settings, mesh, device)
     graphs.clear()  # a run neither reuses nor holds (in its peak memory) an earlier run's graphs
-    before = graphs.stats()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    last = before
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _collector_between_steps():
         for step in range(settings.steps):
-            if step == settings.steps - 1:
-                last = graphs.stats()
-            tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
-            # Python's collector runs between steps, never inside a timed one (a collection over
-            # the autograd graph's objects would cost milliseconds at a random step otherwise)
-            gc.collect()
-            _sync(device)
-            start = time.perf_counter()
-            loss_t = _queue_step(model, opt, tokens)
-            result.host_times.append(time.perf_counter() - start)
-            loss = loss_t.item()
-            _sync(device)
-            seconds = time.perf_counter() - start
-            result.losses.append(loss)
-            result.step_times.append(seconds)
+            loss, seconds = run.step(step)
             if on_step is not None:
                 on_step(step, loss, seconds)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     if device.type == "cuda":
-        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
-    after = graphs.stats()
-    result.graph_calls = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
-    result.graph_calls_last_step = {k: after[k] - last[k] for k in ("eager", "captured", "replayed")}
-    if settings.profile_steps:
-        from asynctp.demo.profile import profile_steps
+        run.result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+    return run.finish()
 
-        result.profile = profile_steps(
-            lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device)), settings.profile_steps
+
+def train_interleaved(
+    variants: list[Variant], settings: TrainSettings, mesh: DeviceMesh, device: torch.device,
+    on_step: Callable[[int, int, float, float], None] | None = None,
+) -> list[RunResult]:
+    """Train one fresh model per variant, step by step in turn (step i of every run, then step
+    i + 1): a machine's drift over the minutes of a demo then touches every run alike, where
+    runs one after the other can differ by more than what is being compared. The models are
+    built alike (same seed) and never share state, so each loss curve is the one train() gives.
+    Eager runs only (a compiled run changes process-wide compiler settings); peak memory is
+    not attributed (every model is alive at once). on_step(run index, step, loss, seconds)."""
+    if settings.compile or any(v.torch_async_tp or v.asynctp_pass for v in variants):
+        raise ValueError("train_interleaved requires eager runs (no --compile, --torch-async-tp or --asynctp-pass), "
+                         f"got compile={settings.compile} and variants {[v.name for v in variants]}")
+    from asynctp.ops import graphs
+
+    graphs.clear()
+    runs = [_Run(v, settings, mesh, device) for v in variants]
+    with _collector_between_steps():
+        for step in range(settings.steps):
+            for i, run in enumerate(runs):
+                loss, seconds = run.step(step)
+                if on_step is not None:
+                    on_step(i, step, loss, seconds)
+    results = [run.finish() for run in runs]
+    return results
+
+
+@contextlib.contextmanager
+def _collector_between_steps():
+    """Python's collector runs between steps, never inside a timed one (a collection over the
+    autograd graph's objects would cost milliseconds at a random step otherwise)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class _Run:
+    """One variant's model, optimizer, data and record, advanced a step at a time."""
+
+    def __init__(self, variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device) -> None:
+        cfg = settings.cfg
+        self.settings, self.device = settings, device
+        self.model = _build(variant, settings, mesh, device)
+        # fused on CUDA (one kernel per parameter group, as torchtitan runs it): the foreach
+        # implementation over DTensor parameters spends ~15 ms of host time a step at the 8B block
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
         )
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+        self.data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
+        self.result = RunResult(variant.name)
+        self.result.graph_calls = {"eager": 0, "captured": 0, "replayed": 0}
+
+    def step(self, step: int) -> tuple[float, float]:
+        """One timed step: (loss, seconds). Its pipelined calls are counted for this run."""
+        from asynctp.ops import graphs
+
+        cfg, device, result = self.settings.cfg, self.device, self.result
+        tokens = self.data.batch(cfg.batch_size, cfg.seq_len).to(device)
+        gc.collect()
+        _sync(device)
+        before = graphs.stats()
+        start = time.perf_counter()
+        loss_t = _queue_step(self.model, self.opt, tokens)
+        result.host_times.append(time.perf_counter() - start)
+        loss = loss_t.item()
+        _sync(device)
+        seconds = time.perf_counter() - start
+        after = graphs.stats()
+        calls = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
+        for k, v in calls.items():
+            result.graph_calls[k] += v
+        result.graph_calls_last_step = calls
+        result.losses.append(loss)
+        result.step_times.append(seconds)
+        return loss, seconds
+
+    def finish(self) -> RunResult:
+        """Profile (when asked), free the model, and return the record."""
+        settings, device, cfg = self.settings, self.device, self.settings.cfg
+        if settings.profile_steps:
+            from asynctp.demo.profile import profile_steps
+
+            model, opt, data = self.model, self.opt, self.data
+            self.result.profile = profile_steps(
+                lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device)), settings.profile_steps
+            )
+        del self.model, self.opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.result
 
 
 def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:

@@ -54,3 +54,22 @@ def test_demo_compiled_runs_each_compile_their_own_graphs(tmp_path):
     passed = json.loads(path.read_text())["runs"][-1]
     assert passed["name"] == "vanilla TP + asynctp pass (compiled)"
     assert " 0 fused" not in passed["fusion_report"] and " 0 graph(s)" not in passed["fusion_report"], passed
+
+
+def test_demo_interleaved_runs_give_the_sequential_curves(tmp_path, capsys):
+    """--interleave (step i of every run, then step i + 1) trains the same models: each loss
+    curve is bit for bit the one of the runs one after the other; compiled runs are refused."""
+    curves = {}
+    for mode in ("sequential", "interleaved"):
+        out = tmp_path / mode
+        extra = ["--interleave"] if mode == "interleaved" else []
+        assert main(["demo", "--cpu", "--steps", "3", "--serial-baseline", *extra, "--out", str(out)]) == 0
+        (path,) = out.glob("demo_2xcpu_*.json")
+        record = json.loads(path.read_text())
+        assert record["settings"]["interleave"] == (mode == "interleaved")
+        curves[mode] = {r["name"]: r["losses"] for r in record["runs"]}
+    assert list(curves["interleaved"]) == ["vanilla TP", "asynctp", "asynctp, not overlapped"]
+    assert curves["interleaved"] == curves["sequential"]
+    capsys.readouterr()
+    assert main(["demo", "--cpu", "--interleave", "--compile"]) == 2
+    assert "--interleave requires eager runs" in capsys.readouterr().err
