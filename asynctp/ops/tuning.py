@@ -137,8 +137,11 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     _, m_total, _, _ = shape_key
     rows = m_total // world_size
     lockstep = op == "all_gather_matmul" and rows >= 2048
-    if os.environ.get(_LOCKSTEP_ENV, "") in ("0", "1"):
-        lockstep = os.environ[_LOCKSTEP_ENV] == "1"
+    forced_lockstep = os.environ.get(_LOCKSTEP_ENV, "")
+    if forced_lockstep:
+        if forced_lockstep not in ("0", "1"):
+            raise ValueError(f"{_LOCKSTEP_ENV} requires 0 or 1, got {forced_lockstep!r}")
+        lockstep = forced_lockstep == "1"
     if forced:  # at most 8: the signal channels of the blocks must fit the workspace's flags
         return max(1, min(8, int(forced))), lockstep
     if op == "all_gather_matmul":
