@@ -1,7 +1,8 @@
 """Developer probe (not the benchmark): the pipelined all-gather and reduce-scatter plans side by
 side on one machine, bf16 and fp8 (rowwise, tensorwise), seed shapes (N 3584, K 8192), all local
 GPUs: gather mode (push / pull), row blocks, lockstep, the gathered output kept or not, the
-reduce-scatter's side-stream reduction on/off. Every variant is checked against serial (exact)
+reduce-scatter's side-stream reduction on/off, and its GEMMs storing remote partials straight into
+the owners' slots (ASYNCTP_RS_DIRECT). Every variant is checked against serial (exact)
 before it is timed. Times: median us over 30 eager calls, slowest rank (eager calls replay from
 asynctp's CUDA graphs after their second sighting, as in training).
 
@@ -123,6 +124,12 @@ def main(rank, ws, out):
             if ws == 2:
                 assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} side{side}: differs from serial"
             r[f"s{sp}_side{side}"] = timeit(fn)
+        for sp in (2, 4):  # remote partials stored by their GEMMs into the owners' slots
+            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1)(lambda: call("pipeline"))
+            got = fn()
+            if ws == 2:
+                assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} direct: differs from serial"
+            r[f"s{sp}_direct"] = timeit(fn)
         r["auto"] = timeit(lambda: call("auto"))
         rows.append(r)
         if rank == 0:

@@ -74,7 +74,8 @@ def usable(ws: Any) -> bool:
 
 def settings() -> tuple:
     """The environment settings a pipelined call reads while it is captured."""
-    return tuple(os.environ.get(name) for name in ("ASYNCTP_SM_CARVEOUT", "ASYNCTP_GATHER", "ASYNCTP_SIDE_REDUCE"))
+    return tuple(os.environ.get(name) for name in ("ASYNCTP_SM_CARVEOUT", "ASYNCTP_GATHER", "ASYNCTP_SIDE_REDUCE",
+                                                     "ASYNCTP_RS_DIRECT"))
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:

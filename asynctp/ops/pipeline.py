@@ -29,7 +29,9 @@ produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
                   waits for its peers' signals and is reduced right away: with 2 ranks the
                   reduction is the GEMM's own epilogue (addmm onto the received partial),
                   otherwise one fp32 sum over the slots
-No closing barrier is needed: every push is matched by a wait on its signal.
+No closing barrier is needed: every push is matched by a wait on its signal. With
+ASYNCTP_RS_DIRECT=1 (an experiment) the remote blocks' GEMMs store straight into the owners'
+slots after barrier(0) and signal from the compute stream: no local partials, no copy engine.
 
 The same code runs on the cpu backend, where the Lanes are no-ops and work runs in program
 order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contract).
@@ -51,6 +53,7 @@ _ALIGN = 256  # cuBLAS and the copy engines like 256-byte aligned operands
 _SIGNAL_BASE = 2  # signal channels start after the two barrier channels
 _GATHER_ENV = "ASYNCTP_GATHER"  # "pull" or "push" (the default): how gather_and_consume moves blocks
 _SIDE_REDUCE_ENV = "ASYNCTP_SIDE_REDUCE"  # "0": a reduction without GEMM epilogue stays inline (experiments)
+_RS_DIRECT_ENV = "ASYNCTP_RS_DIRECT"  # "1": remote partials stored by their GEMMs into the owners' slots (experiment)
 
 
 def gather_mode() -> str:
@@ -232,18 +235,27 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
 
     # everything the side streams touch is allocated here, on the caller's stream, before the
     # fork: freeing it after the join is then ordered after every use
+    # direct (experiment): each remote partial is written by its GEMM straight into the owner's
+    # slot (stores over NVLink instead of a local write and a copy-engine push)
+    direct = os.environ.get(_RS_DIRECT_ENV) == "1"
     out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
-    partials = torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
+    partials = None if direct else torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
     epilogue = fused_acc and world == 2 and reduce_op == "sum"  # the GEMM adds the received partial
     own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
+        slots_free = lanes.mark() if direct else None
+    lanes.wait(slots_free)
     # One compute stream: a block that shares the SMs with the next one finishes later, and
     # every push (and so every peer's reduction) waits for it.
     for b, (lo, hi) in enumerate(blocks):
         for step in range(1, world):
             dst = (rank + step) % world
+            if direct:
+                produce(dst, lo, hi, slot(dst, rank)[lo:hi], None)
+                ws.put_signal(dst, channel=_SIGNAL_BASE + b)  # a stream write fences the GEMM's stores
+                continue
             produce(dst, lo, hi, partials[step - 1, lo:hi], None)
             ready = lanes.mark()
             with lanes.copy():

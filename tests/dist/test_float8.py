@@ -23,8 +23,9 @@ def test_scaled_matmul_reduce_scatter(pool, strategy):
     assert pool.run(cases.scaled_matmul_reduce_scatter_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
-@pytest.mark.parametrize("env", [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_SIDE_REDUCE": "0"}],
-                         ids=["pull", "3-blocks-inline-reduce"])
+@pytest.mark.parametrize("env", [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_SIDE_REDUCE": "0"},
+                                 {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"}],
+                         ids=["pull", "3-blocks-inline-reduce", "3-blocks-rs-direct"])
 def test_pipeline_plans_match_reference(pool, env):
     """The other gather mode, several row blocks, the inline reduction: exact as the default."""
     from tests.cases import under_env
