@@ -263,7 +263,8 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
                 slot(dst, rank)[lo:hi].copy_(partials[step - 1, lo:hi])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + b)
     own = slot(rank, rank)
-    packed = m * n * dtype.itemsize == chunk_bytes  # slots back to back: one [R, m, n] view
+    # without a GEMM epilogue, each own block's reduction goes under the next block's GEMM
+    side_reduce = not fused_acc and os.environ.get(_SIDE_REDUCE_ENV) != "0"
     for b, (lo, hi) in enumerate(blocks):
         for step in range(1, world):
             ws.wait_signal((rank - step) % world, channel=_SIGNAL_BASE + b)
@@ -275,36 +276,30 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             parts = [slot(rank, 1 - rank)[lo:hi], own_partial[lo:hi]]  # received + own, as the epilogue
         else:
             produce(rank, lo, hi, own[lo:hi], None)
-            parts = (ws.get_buffer(rank, (world, *chunk_shape), dtype, 0)[:, lo:hi] if packed
-                     else [slot(rank, src)[lo:hi] for src in range(world)])
-        if fused_acc or os.environ.get(_SIDE_REDUCE_ENV) == "0":
+            parts = [slot(rank, src)[lo:hi] for src in range(world)]
+        if not side_reduce:
             _reduce_into(out[lo:hi], parts, reduce_op)
             continue
         produced = lanes.mark()
-        with lanes.compute(1):  # under the next block's GEMM
+        with lanes.compute(1):
             lanes.wait(produced)
             _reduce_into(out[lo:hi], parts, reduce_op)
     lanes.join()
     return out
 
 
-def _reduce_into(out: torch.Tensor, parts: torch.Tensor | list[torch.Tensor], reduce_op: str) -> None:
-    """out = sum (or mean) over dim 0 of parts (a stacked tensor or a list), accumulated in fp32,
-    rounded once."""
+def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str) -> None:
+    """out = sum (or mean) of parts, accumulated in fp32, rounded once."""
     world = len(parts)
     if world == 2 and reduce_op == "sum":
         torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
         return
-    acc_dtype = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
-    if isinstance(parts, list):
-        # summed one by one, not torch.stack'ed: on 4xH200 a stack here blocked the host until
-        # the stream had passed its wait for the peers (a hang when a peer never came, found by
-        # the stuck-wait test), and it copies every part once more
-        total = parts[0].to(acc_dtype, copy=True)
-        for part in parts[1:]:
-            total.add_(part)
-    else:
-        total = torch.sum(parts, dim=0, dtype=acc_dtype)
+    # summed one by one, not torch.stack'ed: on 4xH200 a stack here blocked the host until the
+    # stream had passed its wait for the peers (a hang when a peer never came, found by the
+    # stuck-wait test), and it copies every part once more
+    total = parts[0].to(torch.float64 if parts[0].dtype == torch.float64 else torch.float32, copy=True)
+    for part in parts[1:]:
+        total.add_(part)
     if reduce_op == "avg":
         total.div_(world)
     out.copy_(total)
