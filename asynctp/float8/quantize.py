@@ -31,7 +31,7 @@ from asynctp.symm import resolve_group
 
 __all__ = [
     "quantize_activation", "quantize_weight", "amax_to_scale", "to_float8",
-    "quantize_rows", "quantize_tensor", "quantize_weight_into", "quantize_weight_for_dgrad", "dequantize", "abs_max",
+    "quantize_rows", "quantize_tensor", "quantize_weight_into", "agreed_amax", "quantize_weight_for_dgrad", "dequantize", "abs_max",
 ]
 
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -64,6 +64,23 @@ def to_float8(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -
     """x_hp / scale, saturated to the float8 range (scale broadcasts: () or [..., 1])."""
     fp8_max = torch.finfo(fp8_dtype).max
     return (x_hp.float() / scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def agreed_amax(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """max |t| over every rank of `group` (a ProcessGroup or its name; float32, 0-dim; a
+    collective): the amax of a tensorwise tensor that will be gathered, so every shard gets one
+    scale. A plain in-place all-reduce in eager mode (the functional collective's wrapping costs
+    host time), a functional collective under torch.compile, which can trace it."""
+    amax = abs_max(t.detach()).float()
+    if torch.compiler.is_compiling():
+        import torch.distributed._functional_collectives as funcol
+
+        name = group if isinstance(group, str) else group.group_name
+        return funcol.wait_tensor(funcol.all_reduce(amax, "max", name))
+    pg = resolve_group(group)
+    if pg.size() > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
+    return amax
 
 
 def abs_max(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -235,9 +252,7 @@ def quantize_activation(x_hp: torch.Tensor, recipe: Float8Recipe, group: Any) ->
     dtype = recipe.activation_dtype
     if recipe.scaling == "rowwise":
         return quantize_rows(x_hp, dtype, recipe)
-    amax = abs_max(x_hp).float()
-    if pg is not None and pg.size() > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
+    amax = abs_max(x_hp).float() if pg is None else agreed_amax(x_hp, pg)
     return quantize_tensor(x_hp, amax, dtype, recipe)
 
 

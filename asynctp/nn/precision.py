@@ -22,11 +22,9 @@ import types
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from asynctp.ops import graphs
-from asynctp.symm import resolve_group
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
@@ -35,7 +33,7 @@ __all__ = ["Float8Matmuls", "resolve_float8"]
 _NEEDED = (
     ("asynctp.float8", ("Float8Recipe",)),
     ("asynctp.float8.quantize", ("quantize_rows", "quantize_tensor", "quantize_weight_into", "quantize_weight_for_dgrad",
-                                 "dequantize", "abs_max")),
+                                 "dequantize", "abs_max", "agreed_amax")),
     ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul",)),
     ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
 )
@@ -124,19 +122,15 @@ class Float8Matmuls:
         self, role: str, t: torch.Tensor, dtype: torch.dtype, group_name: str | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(t_fp8, scale), current scaling; a tensorwise amax is agreed over `group_name` (the
-        tensor will be gathered): a plain all-reduce in eager mode (the fifth session's profiles
-        put the functional collective's wrapping among the tensorwise recipe's host costs), a
-        functional collective under torch.compile, which can trace it."""
+        tensor will be gathered; quantize.agreed_amax)."""
         scale_shape = tuple(t.shape[:-1]) + (1,) if self.rowwise else ()
         out, scale_out = self._kept(role, t, tuple(t.shape), dtype, scale_shape)
         if self.rowwise:
             return self.api.quantize_rows(t, dtype, self.recipe, out=out, scale_out=scale_out)
-        amax = self.api.abs_max(t.detach()).float()
-        if group_name is not None:
-            if torch.compiler.is_compiling():  # traceable
-                amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group_name))
-            else:  # eager: in place on the fresh amax, without functional-collective wrapping
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=resolve_group(group_name))
+        if group_name is None:
+            amax = self.api.abs_max(t.detach()).float()
+        else:
+            amax = self.api.agreed_amax(t, group_name)
         return self.api.quantize_tensor(t, amax, dtype, self.recipe, out=out, scale_out=scale_out)
 
     def _quantize_weight(self, role: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
