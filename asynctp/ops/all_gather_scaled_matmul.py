@@ -112,8 +112,8 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
                 return_a)
 
     if chosen == "ring":
-        call_args = args()
-        return _pipelined(_ring_gather(group, call_args[0], call_args[2]), *call_args)
+        lay, _, scale_2d, *_ = call_args = args()
+        return _pipelined(_ring_gather(group, lay, scale_2d), *call_args)
     if ws is None or chosen == "serial":
         lay, _, scale_2d, bs_cm, *_ = args()
         return all_gather_scaled_matmul_serial(
