@@ -6,7 +6,7 @@ the owners' slots (ASYNCTP_RS_DIRECT). Every variant is checked against serial (
 before it is timed. Times: median us over 30 eager calls, slowest rank (eager calls replay from
 asynctp's CUDA graphs after their second sighting, as in training).
 
-    PROBE_M=4096,8192 PROBE_KINDS=bf16,rowwise,tensorwise python benchmarks/probe_pipeline_plans.py OUT_DIR
+    PROBE_M=4096,8192 PROBE_KINDS=bf16,rowwise,tensorwise PROBE_OPS=ag,rs python benchmarks/probe_pipeline_plans.py OUT_DIR
 """
 
 import itertools
@@ -25,6 +25,7 @@ from benchmarks.probe_pipeline import timeit, with_env  # noqa: E402  (median us
 
 MS = [int(s) for s in os.environ.get("PROBE_M", "4096,8192").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "bf16,rowwise,tensorwise").split(",")
+OPS = os.environ.get("PROBE_OPS", "ag,rs").split(",")
 E4M3 = torch.float8_e4m3fn
 
 
@@ -94,53 +95,61 @@ def main(rank, ws, out):
     g = dist.group.WORLD
     rows = []
     for kind, M in itertools.product(KINDS, MS):
-        torch.manual_seed(rank)
-        shard, mm, call = ag_case(kind, M, g, ws)
-        gathered = torch.empty(M // ws * ws, *shard.shape[1:], device="cuda", dtype=shard.dtype)
-        r = {"op": "ag", "kind": kind, "M": M, "mm": timeit(mm),
-             "comm": timeit(lambda: dist.all_gather_into_tensor(gathered.view(torch.uint8), shard.view(torch.uint8), group=g)),
-             "serial": timeit(lambda: call("serial", False))}
-        ref = call("serial", True)
-        for mode, sp, ls, ra in itertools.product(("push", "pull"), (1, 2, 4), (1, 0), (False, True)):
-            fn = envs(ASYNCTP_GATHER=mode, ASYNCTP_SPLITS=sp, ASYNCTP_LOCKSTEP=ls)(lambda ra=ra: call("pipeline", ra))
-            got = fn()
-            ok = same(got[1], ref[1]) and (not ra or same(got[0], ref[0]))
-            assert ok, f"ag {kind} M{M} {mode} s{sp} l{ls} ra{ra}: differs from serial"
-            r[f"{mode}_s{sp}_l{ls}{'_ra' if ra else ''}"] = timeit(fn)
-        r["auto"] = timeit(lambda: call("auto", False))
-        rows.append(r)
-        if rank == 0:
-            print(json.dumps(r), flush=True)
-        del shard, mm, call, gathered, ref
-        torch.manual_seed(rank)
-        mm, call = rs_case(kind, M, g, ws)
-        r = {"op": "rs", "kind": kind, "M": M, "mm": timeit(mm), "serial": timeit(lambda: call("serial"))}
-        ref = call("serial")
-        for sp, side in itertools.product((1, 2, 4), ("1", "0")):
-            if kind == "bf16" and side == "0":
-                continue  # bf16 with 2 ranks reduces in the GEMM's epilogue
-            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_SIDE_REDUCE=side)(lambda: call("pipeline"))
-            got = fn()
-            if ws == 2:
-                assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} side{side}: differs from serial"
-            r[f"s{sp}_side{side}"] = timeit(fn)
-        for sp in (2, 4):  # remote partials stored by their GEMMs into the owners' slots
-            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1)(lambda: call("pipeline"))
-            got = fn()
-            if ws == 2:
-                assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} direct: differs from serial"
-            r[f"s{sp}_direct"] = timeit(fn)
-        r["auto"] = timeit(lambda: call("auto"))
-        rows.append(r)
-        if rank == 0:
-            print(json.dumps(r), flush=True)
-        del mm, call, ref
+        if "ag" in OPS:
+            rows.append(probe_ag(kind, M, g, ws, rank))
+        if "rs" in OPS:
+            rows.append(probe_rs(kind, M, g, ws, rank))
         torch.cuda.empty_cache()
     if rank == 0:
         with open(os.path.join(out, "pipeline_plans.json"), "w") as f:
             json.dump(rows, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def probe_ag(kind, M, g, ws, rank) -> dict:
+    torch.manual_seed(rank)
+    shard, mm, call = ag_case(kind, M, g, ws)
+    gathered = torch.empty(M // ws * ws, *shard.shape[1:], device="cuda", dtype=shard.dtype)
+    r = {"op": "ag", "kind": kind, "M": M, "mm": timeit(mm),
+         "comm": timeit(lambda: dist.all_gather_into_tensor(gathered.view(torch.uint8), shard.view(torch.uint8), group=g)),
+         "serial": timeit(lambda: call("serial", False))}
+    ref = call("serial", True)
+    for mode, sp, ls, ra in itertools.product(("push", "pull"), (1, 2, 4), (1, 0), (False, True)):
+        fn = envs(ASYNCTP_GATHER=mode, ASYNCTP_SPLITS=sp, ASYNCTP_LOCKSTEP=ls)(lambda ra=ra: call("pipeline", ra))
+        got = fn()
+        ok = same(got[1], ref[1]) and (not ra or same(got[0], ref[0]))
+        assert ok, f"ag {kind} M{M} {mode} s{sp} l{ls} ra{ra}: differs from serial"
+        r[f"{mode}_s{sp}_l{ls}{'_ra' if ra else ''}"] = timeit(fn)
+    r["auto"] = timeit(lambda: call("auto", False))
+    if rank == 0:
+        print(json.dumps(r), flush=True)
+    return r
+
+
+def probe_rs(kind, M, g, ws, rank) -> dict:
+    torch.manual_seed(rank)
+    mm, call = rs_case(kind, M, g, ws)
+    r = {"op": "rs", "kind": kind, "M": M, "mm": timeit(mm), "serial": timeit(lambda: call("serial"))}
+    ref = call("serial")
+    for sp, side in itertools.product((1, 2, 4), ("1", "0")):
+        if kind == "bf16" and side == "0":
+            continue  # bf16 with 2 ranks reduces in the GEMM's epilogue
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_SIDE_REDUCE=side)(lambda: call("pipeline"))
+        got = fn()
+        if ws == 2:
+            assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} side{side}: differs from serial"
+        r[f"s{sp}_side{side}"] = timeit(fn)
+    for sp in (1, 2, 4):  # remote partials stored by their GEMMs into the owners' slots
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1)(lambda: call("pipeline"))
+        got = fn()
+        if ws == 2:
+            assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} direct: differs from serial"
+        r[f"s{sp}_direct"] = timeit(fn)
+    r["auto"] = timeit(lambda: call("auto"))
+    if rank == 0:
+        print(json.dumps(r), flush=True)
+    return r
 
 
 if __name__ == "__main__":
