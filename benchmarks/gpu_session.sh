@@ -28,7 +28,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     quant) TAILN=12 step ${Q_LIMIT:-120} probe_quantize python3 benchmarks/probe_quantize.py $R ;;
     demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise} ;;
     demofp8pull) ASYNCTP_GATHER=pull step ${DEMO_LIMIT:-300} demo_fp8_sb_pull python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise}_pull ;;
-    demoil) step ${DEMO_LIMIT:-300} demo_interleaved python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --serial-baseline --interleave ${FP8_RECIPE:+--float8 $FP8_RECIPE} --out $R/demo_il_${FP8_RECIPE:-bf16} ;;
+    demoil) for spec in ${DEMOIL_SPECS:-bf16:1}; do IFS=: read -r rec bs <<< "$spec"; f8=""; [ "$rec" != bf16 ] && f8="--float8 $rec"; step ${DEMO_LIMIT:-300} demo_il_${rec}_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --batch-size $bs --serial-baseline --interleave $f8 ${DEMO_ARGS:-} --out $R/demo_il_${rec}_b$bs; done ;;
     capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
     plans) TAILN=40 step ${PLANS_LIMIT:-300} probe_plans python3 benchmarks/probe_pipeline_plans.py $R/plans ;;
     trace) for spec in ${TRACES:-ag:rowwise:4096 rs:rowwise:4096}; do IFS=: read -r op kind m <<< "$spec"; PROBE_OP=$op PROBE_KIND=$kind PROBE_M=$m TAILN=60 step 90 trace_${op}_${kind}$m python3 benchmarks/trace_pipeline.py $R/traces; done ;;

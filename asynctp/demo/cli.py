@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the variants step by step in turn (every model alive at once) instead of one after "
                              "the other: a machine's drift then touches every run alike (eager runs only; no per-run "
                              "peak memory)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="sequences per step (default: per model size, 1 for 8b-block): more GPU work per step "
+                             "for the same host work")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: per model size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="use 2 CPU processes (gloo) even when GPUs are present")
@@ -83,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     from asynctp.demo.train import VARIANTS, TrainSettings
 
     cfg = SIZES[model_name]
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            print(f"asynctp demo: --batch-size requires a positive number, got {args.batch_size}", file=sys.stderr)
+            return 2
+        cfg = dataclasses.replace(cfg, batch_size=args.batch_size)
     try:
         cfg.check_tp(world)
     except ValueError as exc:

@@ -73,3 +73,16 @@ def test_demo_interleaved_runs_give_the_sequential_curves(tmp_path, capsys):
     capsys.readouterr()
     assert main(["demo", "--cpu", "--interleave", "--compile"]) == 2
     assert "--interleave requires eager runs" in capsys.readouterr().err
+
+
+def test_demo_batch_size_flag(tmp_path, capsys):
+    """--batch-size overrides the model size's sequences per step (recorded in the JSON's config);
+    a non-positive one is refused before any process starts."""
+    assert main(["demo", "--cpu", "--steps", "1", "--batch-size", "3", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("demo_2xcpu_*.json")
+    record = json.loads(path.read_text())
+    assert record["config"]["batch_size"] == 3
+    assert all(len(r["losses"]) == 1 for r in record["runs"])
+    capsys.readouterr()
+    assert main(["demo", "--cpu", "--batch-size", "0"]) == 2
+    assert "--batch-size requires a positive number, got 0" in capsys.readouterr().err
