@@ -32,6 +32,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
     plans) TAILN=40 step ${PLANS_LIMIT:-300} probe_plans python3 benchmarks/probe_pipeline_plans.py $R/plans ;;
     trace) for spec in ${TRACES:-ag:rowwise:4096 rs:rowwise:4096}; do IFS=: read -r op kind m <<< "$spec"; PROBE_OP=$op PROBE_KIND=$kind PROBE_M=$m TAILN=60 step 90 trace_${op}_${kind}$m python3 benchmarks/trace_pipeline.py $R/traces; done ;;
+    sdpa) TAILN=10 step 60 probe_sdpa python3 benchmarks/probe_sdpa_strides.py $R/sdpa ;;
     grads) TAILN=40 step ${GRADS_LIMIT:-240} probe_grads python3 benchmarks/probe_grads.py $R/grads ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac

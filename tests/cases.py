@@ -57,12 +57,16 @@ def check_ag_case(device, dtype, ndim, gather_dim, num_bs, with_bias, return_a, 
     label = f"ag ndim={ndim} dim={gather_dim} bs={num_bs} bias={with_bias} return_a={return_a} {strategy} {dtype}"
     if return_a:
         assert a_g is not None and torch.equal(a_g, ref_a), label
+        assert a_g.is_contiguous(), f"{label}: gathered a strides {a_g.stride()}"
     else:
         assert a_g is None, label
     assert len(outs) == num_bs, label
     for o, r in zip(outs, ref_outs):
         assert o.shape == r.shape and o.dtype == r.dtype, f"{label}: {o.shape} {o.dtype} vs {r.shape} {r.dtype}"
         assert torch.equal(o, r), f"{label}: max diff {(o.double() - r.double()).abs().max()}"
+        # the caller's layout, as torch's ops give it (strided views of the row layout made
+        # the bf16 attention backward wrong on H200 at batch 2)
+        assert o.is_contiguous(), f"{label}: output strides {o.stride()}"
 
 
 def rs_reference(parts_a, parts_b, scatter_dim, reduce_op, bias, rank, ws):
@@ -95,6 +99,7 @@ def check_rs_case(device, dtype, ndim, scatter_dim, with_bias, reduce_op, strate
     label = f"rs ndim={ndim} dim={scatter_dim} bias={with_bias} {reduce_op} {strategy} {dtype}"
     assert out.shape == ref.shape and out.dtype == ref.dtype, f"{label}: {out.shape} vs {ref.shape}"
     assert torch.equal(out, ref), f"{label}: max diff {(out.double() - ref.double()).abs().max()}"
+    assert out.is_contiguous(), f"{label}: output strides {out.stride()}"
 
 
 def all_gather_matmul_grid(device: str, dtype_name: str, strategy: str) -> int:
@@ -333,6 +338,7 @@ def low_contention_collectives(device: str) -> int:
                 shards = [ints(shape, 10 * count + r, dtype, device) for r in range(ws)]
                 got = asynctp.all_gather(shards[rank], dim, g)
                 assert torch.equal(got, torch.cat(shards, dim=dim)), (shape, dim, dtype)
+                assert got.is_contiguous(), (shape, dim, dtype, got.stride())
                 full_shape = list(shape)
                 full_shape[dim] *= ws
                 parts = [ints(full_shape, 10 * count + 5 + r, dtype, device) for r in range(ws)]
@@ -342,6 +348,7 @@ def low_contention_collectives(device: str) -> int:
                     total = sum(p.double() * scale for p in parts)
                     ref = (total / ws if reduce_op == "avg" else total).chunk(ws, dim=dim)[rank].to(dtype)
                     assert torch.equal(out, ref), (shape, dim, dtype, reduce_op)
+                    assert out.is_contiguous(), (shape, dim, dtype, reduce_op, out.stride())
                 count += 1
     import pytest
 

@@ -132,6 +132,7 @@ def check_ag(device: str, *, ndim: int, gather_dim: int, a_mode: str, b_mode: st
     a_full = torch.cat([deq(s, sc) for s, sc in zip(shards, a_scales)], dim=gather_dim)
     if return_a:
         assert a_g is not None and same_bytes(a_g, cat8(shards, dim=gather_dim)), label
+        assert a_g.is_contiguous(), f"{label}: gathered a strides {a_g.stride()}"
     else:
         assert a_g is None, label
     assert len(outs) == num_bs, label
@@ -140,6 +141,7 @@ def check_ag(device: str, *, ndim: int, gather_dim: int, a_mode: str, b_mode: st
         ref = (ref + bias.double() if bias is not None else ref).to(out_dtype)
         assert o.shape == ref.shape and o.dtype == ref.dtype, f"{label}: {o.shape} {o.dtype} vs {ref.shape} {ref.dtype}"
         assert torch.equal(o, ref), f"{label}: max diff {(o.double() - ref.double()).abs().max()}"
+        assert o.is_contiguous(), f"{label}: output strides {o.stride()}"
 
 
 def check_rs(device: str, *, ndim: int, scatter_dim: int, a_mode: str, b_mode: str, out_dtype: torch.dtype,
@@ -181,6 +183,7 @@ def check_rs(device: str, *, ndim: int, scatter_dim: int, a_mode: str, b_mode: s
         torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, msg=label)
     else:
         assert torch.equal(out, ref), f"{label}: max diff {(out.double() - ref.double()).abs().max()}"
+    assert out.is_contiguous(), f"{label}: output strides {out.stride()}"
 
 
 def _dtypes(count: int) -> tuple[torch.dtype, torch.dtype]:

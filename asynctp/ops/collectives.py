@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asynctp.ops.layout import moved_back
 from asynctp.ops.pipeline import gather_and_consume, produce_and_reduce_scatter
 from asynctp.ops.reference import divide_for_avg
 from asynctp.ops.validate import REDUCE_OPS, check_dim, check_tensor
@@ -54,7 +55,7 @@ def _all_gather_op(x, gather_dim, group_name):
     else:
         ws.op = "all_gather"
         gather_and_consume(ws, [_rows(front)], [_rows(gathered)], lambda *_: None)
-    return gathered.movedim(0, gather_dim) if gather_dim else gathered
+    return moved_back(gathered, gather_dim)
 
 
 @_all_gather_op.register_fake
@@ -62,7 +63,7 @@ def _(x, gather_dim, group_name):
     world = resolve_group(group_name).size()
     front = _front(x, gather_dim)
     gathered = front.new_empty((world * front.shape[0], *front.shape[1:]))
-    return gathered.movedim(0, gather_dim) if gather_dim else gathered
+    return moved_back(gathered, gather_dim)
 
 
 def reduce_scatter(x: torch.Tensor, scatter_dim: int, group: Any, reduce_op: str = "sum") -> torch.Tensor:
@@ -114,7 +115,7 @@ def _reduce_scatter_op(x, scatter_dim, group_name, reduce_op):
 
         out = produce_and_reduce_scatter(ws, produce, (m, rows.shape[1]), x.dtype, reduce_op)
     out = out.view(front.shape[0] // world, *front.shape[1:])
-    return out.movedim(0, scatter_dim) if scatter_dim else out
+    return moved_back(out, scatter_dim)
 
 
 @_reduce_scatter_op.register_fake
@@ -122,4 +123,4 @@ def _(x, scatter_dim, group_name, reduce_op):
     world = resolve_group(group_name).size()
     front = _front(x, scatter_dim)
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    return out.movedim(0, scatter_dim) if scatter_dim else out
+    return moved_back(out, scatter_dim)

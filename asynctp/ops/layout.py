@@ -7,8 +7,10 @@ Shape legend (R = world size):
 Gathering along the last dim (K) is the "k mode": shard_2d is [M, k] and rank r's block of
 the gathered matrix is columns r*k:(r+1)*k, which multiplies rows r*k:(r+1)*k of b.
 
-Outputs are views of fresh contiguous row tensors with the gather/scatter dim moved back, so
-serial and pipelined strategies (and the fake implementations) return identical layouts.
+Outputs are fresh tensors, contiguous in the caller's layout (moved_back): the row tensors with
+the gather/scatter dim moved back in place, copied when that dim is not already outermost (a
+leading dim of size > 1, e.g. batch 2 with a sequence dim 1). Serial and pipelined strategies
+and the fake implementations return identical layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows"]
+__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back"]
+
+
+def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t (the gather/scatter dim first) with that dim moved back to `dim`, contiguous. The strided
+    view alone would be free, but its batch stride smaller than its sequence stride made cuDNN's
+    bf16 attention backward return wrong gradients (H200, batch 2: found by
+    benchmarks/probe_grads.py); callers get the layout torch's own ops give. No copy when every
+    dim before `dim` has size 1."""
+    return t.movedim(0, dim).contiguous() if dim else t
 
 
 def matmul_rows(a: torch.Tensor, dim: int, world_size: int, gather: bool) -> int:
@@ -55,8 +66,7 @@ class GatherLayout:
         """A row-mode [R * m, n] result (or k-mode [M, n]) as N-D with the gather dim in place."""
         if self.k_mode:
             return out_2d.view(*self.front_shape, out_2d.shape[1])
-        out = out_2d.view(*self.front_shape[:-1], out_2d.shape[1])
-        return out.movedim(0, self.dim) if self.dim else out
+        return moved_back(out_2d.view(*self.front_shape[:-1], out_2d.shape[1]), self.dim)
 
 
 def gather_layout(a_shard: torch.Tensor, dim: int, world_size: int) -> GatherLayout:
@@ -92,7 +102,7 @@ class ScatterLayout:
 
     def restore(self, out_2d: torch.Tensor) -> torch.Tensor:
         out = out_2d.view(*self.out_front_shape, out_2d.shape[1])
-        return out.movedim(0, self.dim) if (self.dim and not self.n_mode) else out
+        return out if self.n_mode else moved_back(out, self.dim)
 
 
 def scatter_layout(a: torch.Tensor, dim: int, world_size: int) -> ScatterLayout:
