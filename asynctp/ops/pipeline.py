@@ -242,6 +242,12 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     partials = None if direct else torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
     epilogue = fused_acc and world == 2 and reduce_op == "sum"  # the GEMM adds the received partial
     own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
+    # the fp32 (fp64) accumulator of a reduction that is not one addition: allocated before any
+    # wait, as on 4xH200 an allocation queued behind a wait for a peer that never came blocked
+    # the host (the stuck-wait test hung instead of naming the wait)
+    acc = None
+    if not epilogue and not (world == 2 and reduce_op == "sum"):
+        acc = torch.empty(chunk_shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=ws.device)
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
@@ -277,29 +283,30 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
         else:
             produce(rank, lo, hi, own[lo:hi], None)
             parts = [slot(rank, src)[lo:hi] for src in range(world)]
+        block_acc = acc[lo:hi] if acc is not None else None
         if not side_reduce:
-            _reduce_into(out[lo:hi], parts, reduce_op)
+            _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
             continue
         produced = lanes.mark()
         with lanes.compute(1):
             lanes.wait(produced)
-            _reduce_into(out[lo:hi], parts, reduce_op)
+            _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
     lanes.join()
     return out
 
 
-def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str) -> None:
-    """out = sum (or mean) of parts, accumulated in fp32, rounded once."""
+def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str, acc: torch.Tensor | None) -> None:
+    """out = sum (or mean) of parts, accumulated in fp32, rounded once. acc: an fp32 (fp64 for
+    fp64 parts) tensor of out's shape, required unless this is one 2-part sum. Nothing is
+    allocated here: this runs after waits for peers, where an allocation (a torch.stack, a
+    .to(copy=True)) blocked the host on 4xH200 when a peer never came."""
     world = len(parts)
     if world == 2 and reduce_op == "sum":
         torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
         return
-    # summed one by one, not torch.stack'ed: on 4xH200 a stack here blocked the host until the
-    # stream had passed its wait for the peers (a hang when a peer never came, found by the
-    # stuck-wait test), and it copies every part once more
-    total = parts[0].to(torch.float64 if parts[0].dtype == torch.float64 else torch.float32, copy=True)
+    acc.copy_(parts[0])
     for part in parts[1:]:
-        total.add_(part)
+        acc.add_(part)
     if reduce_op == "avg":
-        total.div_(world)
-    out.copy_(total)
+        acc.div_(world)
+    out.copy_(acc)
