@@ -12,8 +12,11 @@ import torch
 __all__ = ["table", "comparison", "write_json", "write_png", "versions"]
 
 
-def _memory(nbytes: int | None) -> str:
-    return "n/a (cpu)" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+def _memory(run: dict[str, Any]) -> str:
+    nbytes = run["peak_memory_bytes"]
+    if nbytes is not None:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"n/a ({run.get('peak_memory_missing', 'cpu')})"
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -22,7 +25,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         ("step time", lambda r: f"{r['step_time_s'] * 1000:.1f} ms"),
         # the host's share: near the step time, the GPU waited for Python (host-bound)
         ("host time", lambda r: f"{r['host_time_s'] * 1000:.1f} ms" if r.get("host_time_s") is not None else "-"),
-        ("peak memory", lambda r: _memory(r["peak_memory_bytes"])),
+        ("peak memory", _memory),
         ("final loss", lambda r: f"{r['final_loss']:.4f}"),
     ]
     if any(r.get("profile") for r in runs):

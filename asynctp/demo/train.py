@@ -293,6 +293,8 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "step_time_s": step_time,
         "tokens_per_s": tokens / step_time,
         "peak_memory_bytes": result.peak_memory_bytes,
+        **({} if result.peak_memory_bytes is not None else
+           {"peak_memory_missing": "interleaved" if settings.interleave else "cpu"}),
         "graph_calls": result.graph_calls,
         "graph_calls_last_step": result.graph_calls_last_step,
         "final_loss": result.losses[-1],
