@@ -277,9 +277,10 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
         calls = r.get("graph_calls") or {}
         if any(calls.values()):
             last = r.get("graph_calls_last_step") or {}
+            why = ", ".join(f"{k.removeprefix('eager: ')} {v}" for k, v in last.items() if k.startswith("eager: ") and v)
             print(f"{r['name']}: pipelined calls (rank 0) {calls['eager']} eager, {calls['captured']} captured into "
-                  f"CUDA graphs, {calls['replayed']} replayed; last step: {last.get('eager')} eager, "
-                  f"{last.get('captured')} captured, {last.get('replayed')} replayed")
+                  f"CUDA graphs, {calls['replayed']} replayed; last step: {last.get('eager')} eager"
+                  + (f" ({why})" if why else "") + f", {last.get('captured')} captured, {last.get('replayed')} replayed")
     for r in runs:
         if r.get("fusion_report"):
             print(f"{r['name']}: {r['fusion_report']}")

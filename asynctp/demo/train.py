@@ -189,9 +189,9 @@ class _Run:
         _sync(device)
         seconds = time.perf_counter() - start
         after = graphs.stats()
-        calls = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
+        calls = {k: after[k] - before[k] for k in after if k != "graphs"}  # eager, by reason too
         for k, v in calls.items():
-            result.graph_calls[k] += v
+            result.graph_calls[k] = result.graph_calls.get(k, 0) + v
         result.graph_calls_last_step = calls
         result.losses.append(loss)
         result.step_times.append(seconds)

@@ -171,6 +171,11 @@ class GraphCache:
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+        # why calls ran eagerly: "new key" (its first sighting: inputs at addresses not seen
+        # lately), "outputs held" (every graph of the key has outputs the caller still holds, and
+        # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
+        # its capture failed)
+        self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0}
 
     def capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -228,6 +233,8 @@ class GraphCache:
                 self._seen[key] = None
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
+            reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
+            self.eager_reasons[reason] += 1
             self.counts["eager"] += 1
             return body()
         self._seen.pop(key, None)
@@ -243,6 +250,7 @@ class GraphCache:
                 f"than {_MAX_ENV}={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
                 f"small sizes); keep such inputs in persistent buffers, raise {_MAX_ENV}, or set {_ENV}=0",
             )
+            self.eager_reasons["shape off"] += 1
             self.counts["eager"] += 1
             return body()
         try:
@@ -254,6 +262,7 @@ class GraphCache:
                 f"asynctp {key[0]}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
                 f"calls of this shape run eagerly (host-bound at small sizes); {_ENV}=0 skips capture",
             )
+            self.eager_reasons["shape off"] += 1
             self.counts["eager"] += 1
             return body()
         outs, spec = _flatten(result)
@@ -337,9 +346,12 @@ def clear(ws: Any | None = None) -> None:
 
 def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
-    workspace this process made), and the graphs held."""
-    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0}
+    workspace this process made), the graphs held, and the eager calls by reason ("eager: new
+    key", "eager: outputs held", "eager: shape off"; see GraphCache)."""
+    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0,
+             "eager: new key": 0, "eager: outputs held": 0, "eager: shape off": 0}
     for cache in _caches(ws):
-        for k, v in {**cache.counts, "graphs": cache._count()}.items():
+        for k, v in {**cache.counts, "graphs": cache._count(),
+                     **{f"eager: {r}": n for r, n in cache.eager_reasons.items()}}.items():
             total[k] += v
     return total

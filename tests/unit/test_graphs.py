@@ -52,6 +52,7 @@ def test_outputs_the_caller_holds_are_never_overwritten():
     for i, out in enumerate(held):  # each one still holds its own call's result
         assert torch.equal(out, torch.full((4, 3), float(i)))
     assert cache.counts["captured"] == graphs.MAX_PER_KEY and cache.counts["eager"] == 1 + 2
+    assert cache.eager_reasons == {"new key": 1, "outputs held": 2, "shape off": 0}
     assert len({o.data_ptr() for o in held}) == len(held)
 
 
@@ -92,6 +93,7 @@ def test_inputs_at_new_addresses_on_every_call_are_never_captured():
         keep.append(torch.ones(2, 3))
         op(cache, keep[-1], w)
     assert cache.counts == {"eager": 20, "captured": 0, "replayed": 0}
+    assert cache.eager_reasons == {"new key": 20, "outputs held": 0, "shape off": 0}
 
 
 def test_a_shape_whose_graphs_are_dropped_unreplayed_stops_being_captured(monkeypatch):
@@ -109,6 +111,7 @@ def test_a_shape_whose_graphs_are_dropped_unreplayed_stops_being_captured(monkey
         for _ in range(2):
             op(cache, x, w)
     assert cache.counts["captured"] == captured and cache._count() == 0  # that shape runs eagerly now
+    assert cache.eager_reasons["shape off"] >= 6 + 1  # the calls above, and the one that turned it off
 
 
 def test_inputs_whose_addresses_recur_only_now_and_then_stop_being_captured():
