@@ -6,7 +6,7 @@ the owners' slots (ASYNCTP_RS_DIRECT). Every variant is checked against serial (
 before it is timed. Times: median us over 30 eager calls, slowest rank (eager calls replay from
 asynctp's CUDA graphs after their second sighting, as in training).
 
-    PROBE_M=4096,8192 PROBE_KINDS=bf16,rowwise,tensorwise PROBE_OPS=ag,rs python benchmarks/probe_pipeline_plans.py OUT_DIR
+    PROBE_M=4096,8192 PROBE_KINDS=bf16,rowwise,tensorwise PROBE_OPS=ag,rs PROBE_BATCH=1 python benchmarks/probe_pipeline_plans.py OUT_DIR
 """
 
 import itertools
@@ -26,6 +26,7 @@ from benchmarks.probe_pipeline import timeit, with_env  # noqa: E402  (median us
 MS = [int(s) for s in os.environ.get("PROBE_M", "4096,8192").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "bf16,rowwise,tensorwise").split(",")
 OPS = os.environ.get("PROBE_OPS", "ag,rs").split(",")
+BATCH = int(os.environ.get("PROBE_BATCH", "1"))  # > 1: the reduce-scatter's a is [B, M / B, K], scatter dim 1
 E4M3 = torch.float8_e4m3fn
 
 
@@ -69,15 +70,18 @@ def rs_case(kind, M, g, ws):
     dev = dict(device="cuda")
     a = torch.randn(M, K, **dev)
     b = torch.randn(N, K, **dev) / 64
+    dim = 0
+    if BATCH > 1:  # sequence-parallel layout of a batch: [B, S, K], scattered along S
+        a, dim = a.view(BATCH, M // BATCH, K), 1
     if kind == "bf16":
         a, b = a.bfloat16(), b.bfloat16().t()
-        return lambda: torch.mm(a, b), lambda s: asynctp.matmul_reduce_scatter(a, b, 0, g, strategy=s)
+        return (lambda: torch.mm(a.view(-1, K), b)), lambda s: asynctp.matmul_reduce_scatter(a, b, dim, g, strategy=s)
     rowwise = kind == "rowwise"
     a8, b8 = a.to(E4M3), b.to(E4M3).t()
-    sa = (torch.rand(M, 1, **dev) + 0.5) if rowwise else torch.tensor(0.5, **dev)
+    sa = (torch.rand(*a.shape[:-1], 1, **dev) + 0.5) if rowwise else torch.tensor(0.5, **dev)
     sb = (torch.rand(1, N, **dev) + 0.5) if rowwise else torch.tensor(0.25, **dev)
-    mm = lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
-    call = lambda s: asynctp.scaled_matmul_reduce_scatter(a8, b8, sa, sb, 0, g, strategy=s)  # noqa: E731
+    mm = lambda: torch._scaled_mm(a8.view(-1, K), b8, sa.view(-1, 1) if rowwise else sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
+    call = lambda s: asynctp.scaled_matmul_reduce_scatter(a8, b8, sa, sb, dim, g, strategy=s)  # noqa: E731
     return mm, call
 
 
@@ -130,7 +134,7 @@ def probe_ag(kind, M, g, ws, rank) -> dict:
 def probe_rs(kind, M, g, ws, rank) -> dict:
     torch.manual_seed(rank)
     mm, call = rs_case(kind, M, g, ws)
-    r = {"op": "rs", "kind": kind, "M": M, "mm": timeit(mm), "serial": timeit(lambda: call("serial"))}
+    r = {"op": "rs", "kind": kind, "M": M, "batch": BATCH, "mm": timeit(mm), "serial": timeit(lambda: call("serial"))}
     ref = call("serial")
     for sp, side in itertools.product((1, 2, 4), ("1", "0")):
         if kind == "bf16" and side == "0":
@@ -146,6 +150,13 @@ def probe_rs(kind, M, g, ws, rank) -> dict:
         if ws == 2:
             assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} direct: differs from serial"
         r[f"s{sp}_direct"] = timeit(fn)
+    if BATCH > 1:  # the caller's row order kept (no copies), one GEMM per batch element
+        for sp in (1, 2):
+            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_BATCH_MAJOR=1)(lambda: call("pipeline"))
+            got = fn()
+            if ws == 2:
+                assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} batch-major: differs from serial"
+            r[f"s{sp}_batch_major"] = timeit(fn)
     r["auto"] = timeit(lambda: call("auto"))
     if rank == 0:
         print(json.dumps(r), flush=True)

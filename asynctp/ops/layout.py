@@ -15,11 +15,16 @@ and the fake implementations return identical layouts.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back"]
+__all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back",
+           "batch_major_ok", "BATCH_MAJOR_ENV"]
+
+BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # "1": reduce-scatters behind leading dims keep the caller's row order
 
 
 def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -83,13 +88,22 @@ def gather_layout(a_shard: torch.Tensor, dim: int, world_size: int) -> GatherLay
 @dataclass(frozen=True)
 class ScatterLayout:
     """Shape legend: a [..., S at scatter_dim, ..., K]; a_2d [R * m, K] (n mode: [M, K], b's
-    columns are scattered instead); each rank's chunk of a @ b is [m, N] (n mode: [M, N / R])."""
+    columns are scattered instead); each rank's chunk of a @ b is [m, N] (n mode: [M, N / R]).
+
+    Two row orders for a scatter dim behind leading dims (L = their product > 1):
+      front (default): a with the scatter dim moved first and copied, so each rank's chunk is one
+          run of rows; the output is moved back (another copy).
+      batch-major (segment > 0, ASYNCTP_BATCH_MAJOR=1, pipelined / ring strategies only): a_2d is
+          a in the caller's order, no copy; rank r's chunk is L runs ("segments") of `segment`
+          rows, l * R * segment + r * segment + [0, segment), one GEMM each, and the chunk's rows
+          are already the output's order (no copy back). An experiment: not yet measured on GPUs."""
 
     a_2d: torch.Tensor
     dim: int
     n_mode: bool
     world_size: int
-    out_front_shape: tuple[int, ...]  # the output's N-D shape, scatter dim first, minus N
+    out_front_shape: tuple[int, ...]  # the output's N-D shape, scatter dim first, minus N (batch-major: in place)
+    segment: int = 0  # batch-major: rows per run of a rank's chunk (0: front order)
 
     def chunk_shape(self, n: int) -> tuple[int, int]:
         if self.n_mode:
@@ -97,18 +111,47 @@ class ScatterLayout:
         return (self.a_2d.shape[0] // self.world_size, n)
 
     def a_chunk(self, rank: int) -> torch.Tensor:
+        """Rank's chunk of a_2d as one tensor (front order only)."""
+        if self.segment:
+            raise RuntimeError("a_chunk requires the front order; batch-major chunks are runs (a_runs)")
         m = self.a_2d.shape[0] // self.world_size
         return self.a_2d[rank * m : (rank + 1) * m]
 
+    def a_runs(self, rank: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Rows lo:hi of rank's chunk as runs of a_2d: (a_2d row, chunk row - lo, count) each."""
+        m = self.a_2d.shape[0] // self.world_size
+        if not self.segment:
+            return [(rank * m + lo, 0, hi - lo)]
+        seg, runs = self.segment, []
+        for lead in range(lo // seg, (hi - 1) // seg + 1 if hi > lo else lo // seg):
+            j0, j1 = max(lo, lead * seg) - lead * seg, min(hi, (lead + 1) * seg) - lead * seg
+            runs.append((lead * self.world_size * seg + rank * seg + j0, lead * seg + j0 - lo, j1 - j0))
+        return runs
+
     def restore(self, out_2d: torch.Tensor) -> torch.Tensor:
         out = out_2d.view(*self.out_front_shape, out_2d.shape[1])
-        return out if self.n_mode else moved_back(out, self.dim)
+        return out if (self.n_mode or self.segment) else moved_back(out, self.dim)
 
 
-def scatter_layout(a: torch.Tensor, dim: int, world_size: int) -> ScatterLayout:
+def batch_major_ok(a: torch.Tensor, dim: int) -> bool:
+    """Whether scatter_layout(batch_major=True) would use the batch-major order for a: asked for
+    (ASYNCTP_BATCH_MAJOR=1), a scatter dim behind leading dims of more than one element, not K."""
+    return (
+        os.environ.get(BATCH_MAJOR_ENV) == "1" and 0 < dim < a.ndim - 1 and math.prod(a.shape[:dim]) > 1
+    )
+
+
+def scatter_layout(a: torch.Tensor, dim: int, world_size: int, batch_major: bool = False) -> ScatterLayout:
+    """batch_major: use the batch-major order where batch_major_ok (callers whose rows go
+    through the pipeline's produce; the serial reduce_scatter needs the front order)."""
     if dim == a.ndim - 1:
         a_2d = a.reshape(-1, a.shape[-1]).contiguous()
         return ScatterLayout(a_2d, dim, True, world_size, tuple(a.shape[:-1]))
+    if batch_major and batch_major_ok(a, dim):
+        a_2d = a.reshape(-1, a.shape[-1]).contiguous()  # the caller's order (no copy when contiguous)
+        s = a.shape[dim] // world_size
+        out_shape = (*a.shape[:dim], s, *a.shape[dim + 1 : -1])
+        return ScatterLayout(a_2d, dim, False, world_size, out_shape, segment=s * math.prod(a.shape[dim + 1 : -1]))
     front = a.movedim(dim, 0) if dim else a
     front = front.contiguous()
     a_2d = front.view(-1, front.shape[-1])

@@ -77,12 +77,12 @@ def _run(a, b, dim, group, reduce_op, bias, strategy):
     if chosen == "serial":
         return matmul_reduce_scatter_serial(scatter_layout(a, dim, world), b, reduce_op, bias, group)
     if chosen == "ring":
-        return _pipelined(group, scatter_layout(a, dim, world), b, reduce_op, bias, 1, ring=True)
+        return _pipelined(group, scatter_layout(a, dim, world, batch_major=True), b, reduce_op, bias, 1, ring=True)
     ws.op = "matmul_reduce_scatter"
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
 
     def body():
-        return _pipelined(ws, scatter_layout(a, dim, world), b, reduce_op, bias, splits)
+        return _pipelined(ws, scatter_layout(a, dim, world, batch_major=True), b, reduce_op, bias, splits)
 
     key = ("matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(bias), dim, reduce_op, splits,
            graphs.settings())
@@ -107,13 +107,15 @@ def _pipelined(
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:
-            a_rows, b_cols = lay.a_2d[lo:hi], b[:, dst * n : (dst + 1) * n]
+            runs, b_cols = [(lo, 0, hi - lo)], b[:, dst * n : (dst + 1) * n]
         else:
-            a_rows, b_cols = lay.a_chunk(dst)[lo:hi], b
-        if acc is None:
-            torch.mm(a_rows, b_cols, out=out)
-        else:
-            torch.addmm(acc, a_rows, b_cols, out=out)
+            runs, b_cols = lay.a_runs(dst, lo, hi), b  # one run, or one per leading index (batch-major)
+        for row, off, count in runs:
+            a_rows, o = lay.a_2d[row : row + count], out[off : off + count]
+            if acc is None:
+                torch.mm(a_rows, b_cols, out=o)
+            else:
+                torch.addmm(acc[off : off + count], a_rows, b_cols, out=o)
 
     chunk_shape = lay.chunk_shape(b.shape[1])
     if ring:

@@ -100,10 +100,12 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
                  b.shape[0])
     chosen, ws = choose("scaled_matmul_reduce_scatter", strategy, group, a.device, shape_key)
 
-    def args():
-        lay = scatter_layout(a, dim, world)
-        # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
-        a_scale_2d = scatter_layout(a_scale, dim, world).a_2d if rowwise else a_scale
+    def args(batch_major: bool = True):
+        # batch-major (where asked for and it applies) for the produce-driven strategies; the
+        # serial reduce_scatter needs the front order
+        lay = scatter_layout(a, dim, world, batch_major)
+        # the scale goes through a's own layout, so scale row i is the scale of a_2d row i
+        a_scale_2d = scatter_layout(a_scale, dim, world, batch_major).a_2d if rowwise else a_scale
         return (lay, a_scale_2d, column_major(b), b_scale, out_dtype, reduce_op, bias, use_fast_accum)
 
     if chosen == "ring":
@@ -112,7 +114,7 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
 
         return _pipelined(ring_reduce_scatter, group.rank(), *args())
     if ws is None or chosen == "serial":
-        return scaled_matmul_reduce_scatter_serial(*args(), group)
+        return scaled_matmul_reduce_scatter_serial(*args(batch_major=False), group)
     ws.op = "scaled_matmul_reduce_scatter"
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
@@ -155,7 +157,7 @@ def _pipelined(
     """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
     the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1])."""
     chunk_shape = lay.chunk_shape(b.shape[1])
-    m, n = chunk_shape
+    n = chunk_shape[1]
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
     # pair the scales once, not per block: _scaled_mm takes rowwise only with per-column
     any_rowwise = a_rowwise or b_scale.numel() != 1
@@ -177,9 +179,11 @@ def _pipelined(
             b_s = aligned(b_scale[:, cols]) if b_scale.numel() != 1 else b_scale
             return scaled_mm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out_dtype,
                              use_fast_accum=use_fast_accum, out=out)
-        row0 = dst * m
-        return scaled_mm(lay.a_2d[row0 + lo : row0 + hi], b, a_rows_scale(row0 + lo, row0 + hi), b_scale,
-                         out_dtype, use_fast_accum=use_fast_accum, out=out)
+        # one run of a's rows, or one per leading index (batch-major)
+        for row, off, count in lay.a_runs(dst, lo, hi):
+            scaled_mm(lay.a_2d[row : row + count], b, a_rows_scale(row, row + count), b_scale, out_dtype,
+                      use_fast_accum=use_fast_accum, out=out[off : off + count])
+        return out
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if acc is None:
