@@ -26,7 +26,7 @@ from benchmarks.probe_pipeline import timeit, with_env  # noqa: E402  (median us
 MS = [int(s) for s in os.environ.get("PROBE_M", "4096,8192").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "bf16,rowwise,tensorwise").split(",")
 OPS = os.environ.get("PROBE_OPS", "ag,rs").split(",")
-BATCH = int(os.environ.get("PROBE_BATCH", "1"))  # > 1: the reduce-scatter's a is [B, M / B, K], scatter dim 1
+BATCH = int(os.environ.get("PROBE_BATCH", "1"))  # > 1: a batch, [B, rows / B, K], gathered / scattered along dim 1
 E4M3 = torch.float8_e4m3fn
 
 
@@ -47,19 +47,22 @@ def ag_case(kind, M, g, ws):
     dev = dict(device="cuda")
     a = torch.randn(M // ws, K, **dev)
     b = torch.randn(N, K, **dev) / 64
+    dim = 0
+    if BATCH > 1:  # sequence-parallel layout of a batch: shards [B, S / R, K], gathered along S
+        a, dim = a.view(BATCH, M // ws // BATCH, K), 1
     if kind == "bf16":
         a, b = a.bfloat16(), b.bfloat16().t()
         full = torch.empty(M, K, **dev, dtype=torch.bfloat16)
         mm = lambda: torch.mm(full, b)  # noqa: E731
-        call = lambda s, ra: asynctp.all_gather_matmul(a, [b], 0, g, return_a=ra, strategy=s)  # noqa: E731
+        call = lambda s, ra: asynctp.all_gather_matmul(a, [b], dim, g, return_a=ra, strategy=s)  # noqa: E731
         return a, mm, call
     rowwise = kind == "rowwise"
     a8, b8 = a.to(E4M3), b.to(E4M3).t()
-    sa = (torch.rand(M // ws, 1, **dev) + 0.5) if rowwise else torch.tensor(0.5, **dev)
+    sa = (torch.rand(*a.shape[:-1], 1, **dev) + 0.5) if rowwise else torch.tensor(0.5, **dev)
     sb = (torch.rand(1, N, **dev) + 0.5) if rowwise else torch.tensor(0.25, **dev)
     full, sfull = torch.empty(M, K, **dev, dtype=E4M3), (torch.ones(M, 1, **dev) if rowwise else sa)
     mm = lambda: torch._scaled_mm(full, b8, sfull, sb, out_dtype=torch.bfloat16)  # noqa: E731
-    call = lambda s, ra: asynctp.all_gather_scaled_matmul(a8, [b8], sa, [sb], 0, g, return_a=ra, strategy=s)  # noqa: E731
+    call = lambda s, ra: asynctp.all_gather_scaled_matmul(a8, [b8], sa, [sb], dim, g, return_a=ra, strategy=s)  # noqa: E731
     return a8, mm, call
 
 
@@ -114,9 +117,9 @@ def main(rank, ws, out):
 def probe_ag(kind, M, g, ws, rank) -> dict:
     torch.manual_seed(rank)
     shard, mm, call = ag_case(kind, M, g, ws)
-    gathered = torch.empty(M // ws * ws, *shard.shape[1:], device="cuda", dtype=shard.dtype)
-    r = {"op": "ag", "kind": kind, "M": M, "mm": timeit(mm),
-         "comm": timeit(lambda: dist.all_gather_into_tensor(gathered.view(torch.uint8), shard.view(torch.uint8), group=g)),
+    gathered = torch.empty(ws * shard.numel(), device="cuda", dtype=shard.dtype)
+    r = {"op": "ag", "kind": kind, "M": M, "batch": BATCH, "mm": timeit(mm),
+         "comm": timeit(lambda: dist.all_gather_into_tensor(gathered.view(torch.uint8), shard.reshape(-1).view(torch.uint8), group=g)),
          "serial": timeit(lambda: call("serial", False))}
     ref = call("serial", True)
     for mode, sp, ls, ra in itertools.product(("push", "pull"), (1, 2, 4), (1, 0), (False, True)):
@@ -125,6 +128,12 @@ def probe_ag(kind, M, g, ws, rank) -> dict:
         ok = same(got[1], ref[1]) and (not ra or same(got[0], ref[0]))
         assert ok, f"ag {kind} M{M} {mode} s{sp} l{ls} ra{ra}: differs from serial"
         r[f"{mode}_s{sp}_l{ls}{'_ra' if ra else ''}"] = timeit(fn)
+    if BATCH > 1:  # the caller's row order kept (no copies), one GEMM per batch element
+        for sp, ra in itertools.product((1, 2), (False, True)):
+            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_BATCH_MAJOR=1)(lambda ra=ra: call("pipeline", ra))
+            got = fn()
+            assert same(got[1], ref[1]) and (not ra or same(got[0], ref[0])), f"ag {kind} M{M} s{sp} batch-major"
+            r[f"push_s{sp}_batch_major{'_ra' if ra else ''}"] = timeit(fn)
     r["auto"] = timeit(lambda: call("auto", False))
     if rank == 0:
         print(json.dumps(r), flush=True)

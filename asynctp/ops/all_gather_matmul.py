@@ -84,12 +84,14 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     if chosen == "serial":
         return all_gather_matmul_serial(gather_layout(a_shard, dim, world), bs, biases, group, return_a)
     if chosen == "ring":
-        return _pipelined(group, gather_layout(a_shard, dim, world), bs, biases, return_a, 1, False, ring=True)
+        return _pipelined(group, gather_layout(a_shard, dim, world, batch_major=True), bs, biases, return_a, 1, False,
+                          ring=True)
     ws.op = "all_gather_matmul"
     splits, lockstep = plan_for("all_gather_matmul", shape_key, ws.world_size)
 
     def body():
-        return _pipelined(ws, gather_layout(a_shard, dim, world), bs, biases, return_a, splits, lockstep)
+        return _pipelined(ws, gather_layout(a_shard, dim, world, batch_major=True), bs, biases, return_a, splits,
+                          lockstep)
 
     key = ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
            tuple(map(tensor_key, biases)), return_a, splits, lockstep, graphs.settings())
@@ -131,12 +133,12 @@ def _pipelined(
         outs = _consume_k_blocks(ws, lay, rows, bs, biases, splits, ring)
     else:
         out_rows = [lay.new_rows(b.shape[1]) for b in bs]
-        m = lay.m
 
         def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
-            start = src * m + lo
-            for out, b, bias in zip(out_rows, bs, biases):
-                matmul_bias(blocks[0], b, bias, out=out[start : start + blocks[0].shape[0]])
+            # one run of output rows, or one per leading index (batch-major)
+            for off, row, count in lay.out_runs(src, lo, blocks[0].shape[0]):
+                for out, b, bias in zip(out_rows, bs, biases):
+                    matmul_bias(blocks[0][off : off + count], b, bias, out=out[row : row + count])
 
         _gather(ws, lay, rows, consume, splits, lockstep, True, ring)
         outs = [lay.restore(o) for o in out_rows]

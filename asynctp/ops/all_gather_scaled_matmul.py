@@ -104,10 +104,12 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
                  sum(b.shape[1] for b in bs), bs[0].shape[0])
     chosen, ws = choose("all_gather_scaled_matmul", strategy, group, a_shard.device, shape_key)
 
-    def args():
-        lay = gather_layout(a_shard, dim, world)
-        # the scale goes through a's own movedim/reshape, so scale row i is the scale of a_2d row i
-        scale_2d = gather_layout(a_scale, dim, world).shard_2d if rowwise else None
+    def args(batch_major: bool = True):
+        # batch-major (where asked for and it applies) for the consumer-driven strategies; the
+        # serial all_gather needs the front order
+        lay = gather_layout(a_shard, dim, world, batch_major)
+        # the scale goes through a's own layout, so scale row i is the scale of a_2d row i
+        scale_2d = gather_layout(a_scale, dim, world, batch_major).shard_2d if rowwise else None
         return (lay, a_scale, scale_2d, [column_major(b) for b in bs], b_scales, biases, out_dtype, use_fast_accum,
                 return_a)
 
@@ -115,7 +117,7 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
         lay, _, scale_2d, *_ = call_args = args()
         return _pipelined(_ring_gather(group, lay, scale_2d), *call_args)
     if ws is None or chosen == "serial":
-        lay, _, scale_2d, bs_cm, *_ = args()
+        lay, _, scale_2d, bs_cm, *_ = args(batch_major=False)
         return all_gather_scaled_matmul_serial(
             lay, a_scale, scale_2d, bs_cm, b_scales, biases, out_dtype, use_fast_accum, group, return_a
         )
@@ -208,13 +210,15 @@ def _pipelined(
     a_fixed = expand_rows(a_scale, m) if (any_rowwise and scale_2d is None) else a_scale
     b_fixed = [expand_cols(s, b.shape[1]) if (any_rowwise and s.numel() == 1) else s for s, b in zip(b_scales, bs)]
 
-    def block_scale(blocks: list[torch.Tensor]) -> torch.Tensor:
+    def block_scale(blocks: list[torch.Tensor], off: int = 0, count: int | None = None) -> torch.Tensor:
+        """The scale of rows off:off+count of a block (all of it by default)."""
+        count = blocks[0].shape[0] - off if count is None else count
         if scale_2d is not None:
             # a block's scale rows start 4 * (src * m + lo) bytes in: off cuBLAS's 16-byte
             # alignment unless that row index is a multiple of 4
-            return aligned(blocks[1])
+            return aligned(blocks[1][off : off + count])
         # an expanded tensorwise scale has equal rows: its first ones serve any block
-        return a_fixed[: blocks[0].shape[0]] if any_rowwise else a_scale
+        return a_fixed[:count] if any_rowwise else a_scale
 
     if lay.k_mode:
         acc = KBlockAccumulator(m, world, bs, b_fixed, use_fast_accum)
@@ -229,11 +233,13 @@ def _pipelined(
         out_rows = [lay.new_rows(b.shape[1], dtype=out_dtype) for b in bs]
 
         def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
-            a_block, s_block = blocks[0].view(lay.shard_2d.dtype), block_scale(blocks)
-            start = src * m + lo
-            for out, b, b_scale, bias in zip(out_rows, bs, b_fixed, biases):
-                scaled_mm(a_block, b, s_block, b_scale, out_dtype, bias=bias, use_fast_accum=use_fast_accum,
-                          out=out[start : start + a_block.shape[0]])
+            a_block = blocks[0].view(lay.shard_2d.dtype)
+            # one run of output rows, or one per leading index (batch-major)
+            for off, row, count in lay.out_runs(src, lo, a_block.shape[0]):
+                s_run = block_scale(blocks, off, count)
+                for out, b, b_scale, bias in zip(out_rows, bs, b_fixed, biases):
+                    scaled_mm(a_block[off : off + count], b, s_run, b_scale, out_dtype, bias=bias,
+                              use_fast_accum=use_fast_accum, out=out[row : row + count])
 
         gather(shards, gathered, consume, True)
         outs = [lay.restore(o) for o in out_rows]

@@ -10,7 +10,9 @@ the gathered matrix is columns r*k:(r+1)*k, which multiplies rows r*k:(r+1)*k of
 Outputs are fresh tensors, contiguous in the caller's layout (moved_back): the row tensors with
 the gather/scatter dim moved back in place, copied when that dim is not already outermost (a
 leading dim of size > 1, e.g. batch 2 with a sequence dim 1). Serial and pipelined strategies
-and the fake implementations return identical layouts.
+and the fake implementations return identical layouts. ASYNCTP_BATCH_MAJOR=1 (an experiment)
+lets the pipelined and ring strategies keep the caller's row order instead of moving the dim
+first and back (no copies; one GEMM per run of rows): GatherLayout.out_runs, ScatterLayout.a_runs.
 """
 
 from __future__ import annotations
@@ -44,11 +46,18 @@ def matmul_rows(a: torch.Tensor, dim: int, world_size: int, gather: bool) -> int
 
 @dataclass(frozen=True)
 class GatherLayout:
+    """Row order of a gather dim behind leading dims (L = their product > 1): front (default), a
+    shard with the gather dim moved first and copied, outputs moved back (another copy); or
+    batch-major (segment > 0, ASYNCTP_BATCH_MAJOR=1, pipelined / ring strategies only): shard_2d
+    is the shard in the caller's order, no copy, and rank r's rows l * seg + [0, seg) land in
+    output rows l * R * seg + r * seg + [0, seg), one GEMM per run (see out_runs)."""
+
     shard_2d: torch.Tensor  # [m, K] (k mode: [M, k]), contiguous
     dim: int  # normalized gather dim
     k_mode: bool
     world_size: int
-    front_shape: tuple[int, ...]  # rows viewed N-D, gather dim first (row mode); a_shard.shape[:-1] (k mode)
+    front_shape: tuple[int, ...]  # rows viewed N-D, gather dim first (row mode; batch-major: in place); a_shard.shape[:-1] (k mode)
+    segment: int = 0  # batch-major: rows of a shard per leading index (0: front order)
 
     @property
     def m(self) -> int:
@@ -58,6 +67,17 @@ class GatherLayout:
         """A fresh [R * m, cols] tensor (the gathered rows, or row-mode outputs)."""
         return self.shard_2d.new_empty((self.world_size * self.m, cols), dtype=dtype)
 
+    def out_runs(self, src: int, lo: int, count: int) -> list[tuple[int, int, int]]:
+        """Rows lo:lo+count of src's shard as runs of the row-mode output: (row in the block,
+        output row, count) each; one run in the front order."""
+        if not self.segment:
+            return [(0, src * self.m + lo, count)]
+        seg, hi, runs = self.segment, lo + count, []
+        for lead in range(lo // seg, (hi - 1) // seg + 1 if hi > lo else lo // seg):
+            j0, j1 = max(lo, lead * seg) - lead * seg, min(hi, (lead + 1) * seg) - lead * seg
+            runs.append((lead * seg + j0 - lo, (lead * self.world_size + src) * seg + j0, j1 - j0))
+        return runs
+
     def a_gathered(self, rows: torch.Tensor) -> torch.Tensor:
         """The gathered a from stacked rows [R * m, k]: the serial reference's layout."""
         if self.k_mode:
@@ -65,19 +85,30 @@ class GatherLayout:
             k = rows.shape[1]
             full = rows.view(self.world_size, self.m, k).permute(1, 0, 2).reshape(self.m, self.world_size * k)
             return full.view(*lead, self.world_size * k)
+        if self.segment:  # rank-major runs [R, L, seg, k] -> the caller's order [L, R, seg, k]
+            k = rows.shape[1]
+            per_rank = rows.view(self.world_size, self.m // self.segment, self.segment, k)
+            return per_rank.transpose(0, 1).reshape(*self.front_shape, k)
         return self.restore(rows)
 
     def restore(self, out_2d: torch.Tensor) -> torch.Tensor:
         """A row-mode [R * m, n] result (or k-mode [M, n]) as N-D with the gather dim in place."""
-        if self.k_mode:
+        if self.k_mode or self.segment:
             return out_2d.view(*self.front_shape, out_2d.shape[1])
         return moved_back(out_2d.view(*self.front_shape[:-1], out_2d.shape[1]), self.dim)
 
 
-def gather_layout(a_shard: torch.Tensor, dim: int, world_size: int) -> GatherLayout:
+def gather_layout(a_shard: torch.Tensor, dim: int, world_size: int, batch_major: bool = False) -> GatherLayout:
+    """batch_major: use the batch-major order where batch_major_ok (callers whose outputs are
+    written by the pipeline's consumer; the serial all_gather needs the front order)."""
     if dim == a_shard.ndim - 1:
         shard_2d = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()
         return GatherLayout(shard_2d, dim, True, world_size, tuple(a_shard.shape[:-1]))
+    if batch_major and batch_major_ok(a_shard, dim):
+        shard_2d = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()  # the caller's order (no copy when contiguous)
+        full = (*a_shard.shape[:dim], world_size * a_shard.shape[dim], *a_shard.shape[dim + 1 : -1])
+        return GatherLayout(shard_2d, dim, False, world_size, full,
+                            segment=a_shard.shape[dim] * math.prod(a_shard.shape[dim + 1 : -1]))
     front = a_shard.movedim(dim, 0) if dim else a_shard
     front = front.contiguous()
     shard_2d = front.view(-1, front.shape[-1])
@@ -134,8 +165,9 @@ class ScatterLayout:
 
 
 def batch_major_ok(a: torch.Tensor, dim: int) -> bool:
-    """Whether scatter_layout(batch_major=True) would use the batch-major order for a: asked for
-    (ASYNCTP_BATCH_MAJOR=1), a scatter dim behind leading dims of more than one element, not K."""
+    """Whether gather_layout / scatter_layout(batch_major=True) use the batch-major order for a:
+    asked for (ASYNCTP_BATCH_MAJOR=1), a gather / scatter dim behind leading dims of more than one
+    element, not the last dim."""
     return (
         os.environ.get(BATCH_MAJOR_ENV) == "1" and 0 < dim < a.ndim - 1 and math.prod(a.shape[:dim]) > 1
     )

@@ -37,10 +37,11 @@ def test_pipeline_plans_match_reference(pool, env):
         assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
 
 
-def test_batch_major_ring_reduce_scatter(pool):
+def test_batch_major_ring(pool):
     from tests.cases import under_env
 
     env = {"ASYNCTP_BATCH_MAJOR": "1"}
+    assert pool.run(under_env, env, cases.all_gather_scaled_grid, DEVICE, "ring")[0] == NUM_GRID_CASES
     assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "ring")[0] == NUM_GRID_CASES
 
 

@@ -37,10 +37,12 @@ def test_pipeline_plans_match_reference(pool, env):
 
 @pytest.mark.parametrize("strategy", ["pipeline", "ring"])
 @pytest.mark.parametrize("splits", ["1", "3"])
-def test_batch_major_reduce_scatter_matches_reference(pool, strategy, splits):
-    """ASYNCTP_BATCH_MAJOR=1: a scatter dim behind leading dims keeps the caller's row order (a
-    rank's chunk in runs, one GEMM each; 3 row blocks straddle the runs): exact as the default."""
+def test_batch_major_order_matches_reference(pool, strategy, splits):
+    """ASYNCTP_BATCH_MAJOR=1: a gather / scatter dim behind leading dims keeps the caller's row
+    order (a rank's rows in runs, one GEMM each; 3 row blocks straddle the runs): exact as the
+    default."""
     env = {"ASYNCTP_BATCH_MAJOR": "1", "ASYNCTP_SPLITS": splits}
+    assert pool.run(cases.under_env, env, cases.all_gather_matmul_grid, DEVICE, "float32", strategy)[0] == 28
     assert pool.run(cases.under_env, env, cases.matmul_reduce_scatter_grid, DEVICE, "float32", strategy)[0] == 28
 
 
