@@ -32,6 +32,8 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
     plans) TAILN=40 step ${PLANS_LIMIT:-300} probe_plans python3 benchmarks/probe_pipeline_plans.py $R/plans ;;
     trace) for spec in ${TRACES:-ag:rowwise:4096 rs:rowwise:4096}; do IFS=: read -r op kind m <<< "$spec"; PROBE_OP=$op PROBE_KIND=$kind PROBE_M=$m TAILN=60 step 90 trace_${op}_${kind}$m python3 benchmarks/trace_pipeline.py $R/traces; done ;;
+    demobm) ASYNCTP_BATCH_MAJOR=1 step ${DEMO_LIMIT:-300} demo_il_batch_major python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size 2 --serial-baseline --interleave ${DEMO_ARGS:-} --out $R/demo_il_bf16_b2_batch_major ;;
+    plansbm) PROBE_BATCH=2 PROBE_M=8192,16384 TAILN=40 step ${PLANS_LIMIT:-300} probe_plans_batch python3 benchmarks/probe_pipeline_plans.py $R/plans_batch2 ;;
     sdpa) TAILN=10 step 60 probe_sdpa python3 benchmarks/probe_sdpa_strides.py $R/sdpa ;;
     grads) TAILN=40 step ${GRADS_LIMIT:-240} probe_grads python3 benchmarks/probe_grads.py $R/grads ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
