@@ -11,7 +11,6 @@ of the same protocol, then checks x. A hang is caught by a 60 s alarm.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -20,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.probe_pipeline import finish  # rank 0 writes the JSON, all leave the group
 
 WAIT_EQ = 0x1
 
@@ -87,11 +88,7 @@ def main(rank: int, world: int, out: str) -> None:
         torch.cuda.synchronize()
     res["storage_use_count"] = hasattr(torch._C, "_storage_Use_Count")
     print(f"rank {rank}: {res}", flush=True)
-    if rank == 0:
-        with open(os.path.join(out, "probe_capture.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, os.path.join(out, "probe_capture.json"), res)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ at batch 2 on the 8B block (bf16) while they agree at batch 1.
 
 import copy
 import dataclasses
-import json
 import os
 import sys
 
@@ -20,6 +19,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.probe_pipeline import finish  # noqa: E402  (rank 0 writes the JSON, all leave the group)
 
 SHAPES = os.environ.get("PROBE_SHAPES", "mid,8b").split(",")
 BATCHES = [int(b) for b in os.environ.get("PROBE_BATCHES", "1,2").split(",")]
@@ -110,11 +111,7 @@ def main(rank, ws, out):
                     del model
                     if not CPU:
                         torch.cuda.empty_cache()
-    if rank == 0:
-        with open(os.path.join(out, "grads.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, os.path.join(out, "grads.json"), rows)
 
 
 if __name__ == "__main__":

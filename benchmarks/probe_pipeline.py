@@ -53,6 +53,15 @@ def with_env(name, value, fn):
     return call
 
 
+def finish(rank, path, data):
+    """Rank 0 writes `data` as JSON to `path`; then every rank leaves the process group."""
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def with_carveout(c, fn):
     return with_env("ASYNCTP_SM_CARVEOUT", c, fn)
 

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks.probe_pipeline import timeit, with_env  # noqa: E402  (median us, max over ranks)
+from benchmarks.probe_pipeline import finish, timeit, with_env  # noqa: E402  (median us, max over ranks)
 
 MS = [int(s) for s in os.environ.get("PROBE_M", "4096,8192").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "bf16,rowwise,tensorwise").split(",")
@@ -107,11 +107,7 @@ def main(rank, ws, out):
         if "rs" in OPS:
             rows.append(probe_rs(kind, M, g, ws, rank))
         torch.cuda.empty_cache()
-    if rank == 0:
-        with open(os.path.join(out, "pipeline_plans.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, os.path.join(out, "pipeline_plans.json"), rows)
 
 
 def probe_ag(kind, M, g, ws, rank) -> dict:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from asynctp import all_gather_linear, linear_reduce_scatter
-from tests.cases import DTYPES, expect_errors, ints, world
+from tests.cases import DTYPES, expect_errors, ints, under_env, world
 
 # ---------------------------------------------------------------- autograd functions, exact
 
@@ -414,9 +414,6 @@ def float8_training_paths_agree(device: str, recipe: str, steps: int = 8) -> dic
     activations come from the caching allocator, whose addresses may still shift once after the
     captures: at most one call in ten may be captured or eager). Returns each run's last-step
     graph counts."""
-    import os
-    from unittest import mock
-
     from asynctp.demo.train import TrainSettings, Variant, train
 
     cfg = dataclasses.replace(_test_config(), dim=192, ffn_dim=384, vocab_size=96)
@@ -424,8 +421,7 @@ def float8_training_paths_agree(device: str, recipe: str, steps: int = 8) -> dic
     variant = Variant("asynctp pipelined", asynchronous=True, strategy="pipeline")
     runs: dict[str, Any] = {}
     for name, env in (("default", {}), ("no graphs", {"ASYNCTP_GRAPHS": "0"}), ("torch quantization", {"ASYNCTP_FP8_KERNELS": "0"})):
-        with mock.patch.dict(os.environ, env):
-            runs[name] = train(variant, settings, _mesh(device), torch.device(device))
+        runs[name] = under_env(env, train, variant, settings, _mesh(device), torch.device(device))
     reference = runs["default"].losses
     for name, run in runs.items():
         assert run.losses == reference, f"{name}: losses {run.losses} vs default {reference}"

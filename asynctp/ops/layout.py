@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back",
-           "batch_major_ok", "BATCH_MAJOR_ENV"]
+           "batch_major_ok", "rank_runs", "BATCH_MAJOR_ENV"]
 
-BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # "1": reduce-scatters behind leading dims keep the caller's row order
+BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # "1": gathers / scatters behind leading dims keep the caller's row order
 
 
 def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -36,6 +36,19 @@ def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
     benchmarks/probe_grads.py); callers get the layout torch's own ops give. No copy when every
     dim before `dim` has size 1."""
     return t.movedim(0, dim).contiguous() if dim else t
+
+
+def rank_runs(rank: int, lo: int, hi: int, m: int, segment: int, world_size: int) -> list[tuple[int, int, int]]:
+    """Rows lo:hi of a rank's m rows as runs of the full R * m rows: (row - lo, full row, count)
+    each. Front order (segment 0): the rank's rows are one run at rank * m. Batch-major: they
+    are runs of `segment` rows, one per leading index l, at (l * R + rank) * segment."""
+    if not segment:
+        return [(0, rank * m + lo, hi - lo)]
+    runs = []
+    for lead in range(lo // segment, -(-hi // segment)):
+        j0, j1 = max(lo, lead * segment) - lead * segment, min(hi, (lead + 1) * segment) - lead * segment
+        runs.append((lead * segment + j0 - lo, (lead * world_size + rank) * segment + j0, j1 - j0))
+    return runs
 
 
 def matmul_rows(a: torch.Tensor, dim: int, world_size: int, gather: bool) -> int:
@@ -69,14 +82,8 @@ class GatherLayout:
 
     def out_runs(self, src: int, lo: int, count: int) -> list[tuple[int, int, int]]:
         """Rows lo:lo+count of src's shard as runs of the row-mode output: (row in the block,
-        output row, count) each; one run in the front order."""
-        if not self.segment:
-            return [(0, src * self.m + lo, count)]
-        seg, hi, runs = self.segment, lo + count, []
-        for lead in range(lo // seg, (hi - 1) // seg + 1 if hi > lo else lo // seg):
-            j0, j1 = max(lo, lead * seg) - lead * seg, min(hi, (lead + 1) * seg) - lead * seg
-            runs.append((lead * seg + j0 - lo, (lead * self.world_size + src) * seg + j0, j1 - j0))
-        return runs
+        output row, count) each (see rank_runs)."""
+        return rank_runs(src, lo, lo + count, self.m, self.segment, self.world_size)
 
     def a_gathered(self, rows: torch.Tensor) -> torch.Tensor:
         """The gathered a from stacked rows [R * m, k]: the serial reference's layout."""
@@ -149,15 +156,9 @@ class ScatterLayout:
         return self.a_2d[rank * m : (rank + 1) * m]
 
     def a_runs(self, rank: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """Rows lo:hi of rank's chunk as runs of a_2d: (a_2d row, chunk row - lo, count) each."""
-        m = self.a_2d.shape[0] // self.world_size
-        if not self.segment:
-            return [(rank * m + lo, 0, hi - lo)]
-        seg, runs = self.segment, []
-        for lead in range(lo // seg, (hi - 1) // seg + 1 if hi > lo else lo // seg):
-            j0, j1 = max(lo, lead * seg) - lead * seg, min(hi, (lead + 1) * seg) - lead * seg
-            runs.append((lead * self.world_size * seg + rank * seg + j0, lead * seg + j0 - lo, j1 - j0))
-        return runs
+        """Rows lo:hi of rank's chunk as runs of a_2d: (chunk row - lo, a_2d row, count) each (see
+        rank_runs)."""
+        return rank_runs(rank, lo, hi, self.a_2d.shape[0] // self.world_size, self.segment, self.world_size)
 
     def restore(self, out_2d: torch.Tensor) -> torch.Tensor:
         out = out_2d.view(*self.out_front_shape, out_2d.shape[1])

@@ -107,10 +107,10 @@ def _pipelined(
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:
-            runs, b_cols = [(lo, 0, hi - lo)], b[:, dst * n : (dst + 1) * n]
+            runs, b_cols = [(0, lo, hi - lo)], b[:, dst * n : (dst + 1) * n]
         else:
             runs, b_cols = lay.a_runs(dst, lo, hi), b  # one run, or one per leading index (batch-major)
-        for row, off, count in runs:
+        for off, row, count in runs:
             a_rows, o = lay.a_2d[row : row + count], out[off : off + count]
             if acc is None:
                 torch.mm(a_rows, b_cols, out=o)

@@ -242,14 +242,14 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     direct = os.environ.get(_RS_DIRECT_ENV) == "1"
     out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
     partials = None if direct else torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
-    epilogue = fused_acc and world == 2 and reduce_op == "sum"  # the GEMM adds the received partial
+    one_add = world == 2 and reduce_op == "sum"  # the reduction is one addition of two parts
+    epilogue = fused_acc and one_add  # ... done by the GEMM onto the received partial
     own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
-    # the fp32 (fp64) accumulator of a reduction that is not one addition: allocated before any
-    # wait, as on 4xH200 an allocation queued behind a wait for a peer that never came blocked
-    # the host (the stuck-wait test hung instead of naming the wait)
-    acc = None
-    if not epilogue and not (world == 2 and reduce_op == "sum"):
-        acc = torch.empty(chunk_shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=ws.device)
+    # the fp32 (fp64) accumulator of any other reduction: allocated before any wait, as on
+    # 4xH200 an allocation queued behind a wait for a peer that never came blocked the host (the
+    # stuck-wait test hung instead of naming the wait)
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = None if one_add else torch.empty(chunk_shape, dtype=acc_dtype, device=ws.device)
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
@@ -285,7 +285,7 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
         else:
             produce(rank, lo, hi, own[lo:hi], None)
             parts = [slot(rank, src)[lo:hi] for src in range(world)]
-        block_acc = acc[lo:hi] if acc is not None else None
+        block_acc = None if acc is None else acc[lo:hi]
         if not side_reduce:
             _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
             continue
@@ -299,11 +299,11 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
 
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str, acc: torch.Tensor | None) -> None:
     """out = sum (or mean) of parts, accumulated in fp32, rounded once. acc: an fp32 (fp64 for
-    fp64 parts) tensor of out's shape, required unless this is one 2-part sum. Nothing is
+    fp64 parts) tensor of out's shape; None for a sum of two parts (added straight into out). Nothing is
     allocated here: this runs after waits for peers, where an allocation (a torch.stack, a
     .to(copy=True)) blocked the host on 4xH200 when a peer never came."""
     world = len(parts)
-    if world == 2 and reduce_op == "sum":
+    if acc is None:  # one addition of two parts
         torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
         return
     acc.copy_(parts[0])

@@ -180,7 +180,7 @@ def _pipelined(
             return scaled_mm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out_dtype,
                              use_fast_accum=use_fast_accum, out=out)
         # one run of a's rows, or one per leading index (batch-major)
-        for row, off, count in lay.a_runs(dst, lo, hi):
+        for off, row, count in lay.a_runs(dst, lo, hi):
             scaled_mm(lay.a_2d[row : row + count], b, a_rows_scale(row, row + count), b_scale, out_dtype,
                       use_fast_accum=use_fast_accum, out=out[off : off + count])
         return out

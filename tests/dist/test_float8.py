@@ -8,6 +8,7 @@ then the recipes on random data (SQNR >= 25 dB, pipeline == serial, tensorwise s
 import pytest
 
 from tests import cases_float8 as cases
+from tests.cases import under_env
 
 DEVICE = "cpu"
 NUM_GRID_CASES = 4 * 7 * 2  # scale pairings x (ndim, dim) x out dtypes
@@ -30,16 +31,12 @@ def test_scaled_matmul_reduce_scatter(pool, strategy):
 def test_pipeline_plans_match_reference(pool, env):
     """The other gather mode, several row blocks, the inline reduction, the reduce-scatter's
     batch-major row order: exact as the default."""
-    from tests.cases import under_env
-
     assert pool.run(under_env, env, cases.all_gather_scaled_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
     if "ASYNCTP_SPLITS" in env:
         assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
 
 
 def test_batch_major_ring(pool):
-    from tests.cases import under_env
-
     env = {"ASYNCTP_BATCH_MAJOR": "1"}
     assert pool.run(under_env, env, cases.all_gather_scaled_grid, DEVICE, "ring")[0] == NUM_GRID_CASES
     assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "ring")[0] == NUM_GRID_CASES
