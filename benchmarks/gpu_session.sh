@@ -24,7 +24,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     probehost) TAILN=40 step ${PROBE_LIMIT:-300} probe_host python3 benchmarks/probe_host.py $R/probe_host ;;
     pyt) step ${PYT_LIMIT:-300} pytest_selected python3 -m pytest -q -p no:cacheprovider $PYTEST_ARGS ;;
     demosb) step ${DEMO_LIMIT:-300} demo_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --serial-baseline ${PROFILE---profile} --out $R/demo_sb ;;
-    hoststep) TAILN=8 step ${HS_LIMIT:-240} probe_host_step python3 benchmarks/probe_host_step.py $R/host_step ;;
+    hoststep) TAILN=8 step ${HS_LIMIT:-240} probe_host_step python3 benchmarks/probe_host_step.py $R/host_step ${HS_SPECS:-} ;;
     quant) TAILN=12 step ${Q_LIMIT:-120} probe_quantize python3 benchmarks/probe_quantize.py $R ;;
     demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise} ;;
     demofp8pull) ASYNCTP_GATHER=pull step ${DEMO_LIMIT:-300} demo_fp8_sb_pull python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise}_pull ;;
@@ -33,7 +33,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     plans) TAILN=40 step ${PLANS_LIMIT:-300} probe_plans python3 benchmarks/probe_pipeline_plans.py $R/plans ;;
     trace) for spec in ${TRACES:-ag:rowwise:4096 rs:rowwise:4096}; do IFS=: read -r op kind m <<< "$spec"; PROBE_OP=$op PROBE_KIND=$kind PROBE_M=$m TAILN=60 step 90 trace_${op}_${kind}$m python3 benchmarks/trace_pipeline.py $R/traces; done ;;
     demobm) ASYNCTP_BATCH_MAJOR=1 step ${DEMO_LIMIT:-300} demo_il_batch_major python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size 2 --serial-baseline --interleave ${DEMO_ARGS:-} --out $R/demo_il_bf16_b2_batch_major ;;
-    plansbm) PROBE_BATCH=2 PROBE_M=8192,16384 TAILN=40 step ${PLANS_LIMIT:-300} probe_plans_batch python3 benchmarks/probe_pipeline_plans.py $R/plans_batch2 ;;
+    plansbm) for spec in ${PLANSBM_SPECS:-2:8192,16384}; do IFS=: read -r b ms <<< "$spec"; PROBE_BATCH=$b PROBE_M=$ms TAILN=40 step ${PLANS_LIMIT:-300} probe_plans_batch$b python3 benchmarks/probe_pipeline_plans.py $R/plans_batch$b; done ;;
     sdpa) TAILN=10 step 60 probe_sdpa python3 benchmarks/probe_sdpa_strides.py $R/sdpa ;;
     grads) TAILN=40 step ${GRADS_LIMIT:-240} probe_grads python3 benchmarks/probe_grads.py $R/grads ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;

@@ -7,6 +7,10 @@ before it is timed. Times: median us over 30 eager calls, slowest rank (eager ca
 asynctp's CUDA graphs after their second sighting, as in training).
 
     PROBE_M=4096,8192 PROBE_KINDS=bf16,rowwise,tensorwise PROBE_OPS=ag,rs PROBE_BATCH=1 python benchmarks/probe_pipeline_plans.py OUT_DIR
+
+PROBE_BATCH=B > 1 adds the batch-major order (`*_batch_major`, ASYNCTP_BATCH_MAJOR=1) beside the
+grid (front order, ASYNCTP_BATCH_MAJOR=0); "auto" is the library's default. PROBE_GRID=0 keeps
+only push with 1-2 row blocks (and the reduce-scatter's side-stream reduction).
 """
 
 import itertools
@@ -27,6 +31,7 @@ MS = [int(s) for s in os.environ.get("PROBE_M", "4096,8192").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "bf16,rowwise,tensorwise").split(",")
 OPS = os.environ.get("PROBE_OPS", "ag,rs").split(",")
 BATCH = int(os.environ.get("PROBE_BATCH", "1"))  # > 1: a batch, [B, rows / B, K], gathered / scattered along dim 1
+FULL = os.environ.get("PROBE_GRID", "1") == "1"  # "0": only the default plans' front vs batch-major order
 E4M3 = torch.float8_e4m3fn
 
 
@@ -118,8 +123,11 @@ def probe_ag(kind, M, g, ws, rank) -> dict:
          "comm": timeit(lambda: dist.all_gather_into_tensor(gathered.view(torch.uint8), shard.reshape(-1).view(torch.uint8), group=g)),
          "serial": timeit(lambda: call("serial", False))}
     ref = call("serial", True)
-    for mode, sp, ls, ra in itertools.product(("push", "pull"), (1, 2, 4), (1, 0), (False, True)):
-        fn = envs(ASYNCTP_GATHER=mode, ASYNCTP_SPLITS=sp, ASYNCTP_LOCKSTEP=ls)(lambda ra=ra: call("pipeline", ra))
+    grid = itertools.product(("push", "pull"), (1, 2, 4), (1, 0), (False, True)) if FULL else \
+        itertools.product(("push",), (1, 2), (1,), (False, True))
+    for mode, sp, ls, ra in grid:  # front order (the batch-major order below)
+        fn = envs(ASYNCTP_GATHER=mode, ASYNCTP_SPLITS=sp, ASYNCTP_LOCKSTEP=ls, ASYNCTP_BATCH_MAJOR=0)(
+            lambda ra=ra: call("pipeline", ra))
         got = fn()
         ok = same(got[1], ref[1]) and (not ra or same(got[0], ref[0]))
         assert ok, f"ag {kind} M{M} {mode} s{sp} l{ls} ra{ra}: differs from serial"
@@ -141,16 +149,16 @@ def probe_rs(kind, M, g, ws, rank) -> dict:
     mm, call = rs_case(kind, M, g, ws)
     r = {"op": "rs", "kind": kind, "M": M, "batch": BATCH, "mm": timeit(mm), "serial": timeit(lambda: call("serial"))}
     ref = call("serial")
-    for sp, side in itertools.product((1, 2, 4), ("1", "0")):
+    for sp, side in itertools.product((1, 2, 4) if FULL else (1, 2), ("1", "0") if FULL else ("1",)):
         if kind == "bf16" and side == "0":
             continue  # bf16 with 2 ranks reduces in the GEMM's epilogue
-        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_SIDE_REDUCE=side)(lambda: call("pipeline"))
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_SIDE_REDUCE=side, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
         got = fn()
         if ws == 2:
             assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} side{side}: differs from serial"
         r[f"s{sp}_side{side}"] = timeit(fn)
-    for sp in (1, 2, 4):  # remote partials stored by their GEMMs into the owners' slots
-        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1)(lambda: call("pipeline"))
+    for sp in (1, 2, 4) if FULL else ():  # remote partials stored by their GEMMs into the owners' slots
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
         got = fn()
         if ws == 2:
             assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} direct: differs from serial"

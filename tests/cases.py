@@ -80,12 +80,13 @@ def rs_reference(parts_a, parts_b, scatter_dim, reduce_op, bias, rank, ws):
     return chunk.to(parts_a[0].dtype)
 
 
-def check_rs_case(device, dtype, ndim, scatter_dim, with_bias, reduce_op, strategy, seed):
+def check_rs_case(device, dtype, ndim, scatter_dim, with_bias, reduce_op, strategy, seed, shape=None):
     rank, ws = world()
     k, n = 8, 4 * ws
-    shape = [2 * ws, 3, 5][: ndim - 1] + [k]
-    if scatter_dim % ndim != ndim - 1:
-        shape[scatter_dim % ndim] = ws * (scatter_dim % ndim + 1)
+    if shape is None:
+        shape = [2 * ws, 3, 5][: ndim - 1] + [k]
+        if scatter_dim % ndim != ndim - 1:
+            shape[scatter_dim % ndim] = ws * (scatter_dim % ndim + 1)
     # avg: multiples of R keep the mean an integer, so it is exact
     scale = ws if reduce_op == "avg" else 1
     parts_a = [ints(shape, seed * 100 + r, dtype, device) * scale for r in range(ws)]
@@ -131,6 +132,39 @@ def matmul_reduce_scatter_grid(device: str, dtype_name: str, strategy: str) -> i
                 check_rs_case(device, dtype, ndim, scatter_dim, with_bias, reduce_op, strategy, seed=count)
                 count += 1
     return count
+
+
+def batch_major_by_default(device: str) -> int:
+    """With ASYNCTP_BATCH_MAJOR unset, a gather / scatter dim behind a batch takes the batch-major
+    order exactly when a rank's run of rows reaches BATCH_MAJOR_MIN_ROWS, and both orders equal
+    the reference (atol=0) through the pipelined strategy."""
+    from asynctp.ops import layout
+
+    rank, ws = world()
+    count = 0
+    for rows in (layout.BATCH_MAJOR_MIN_ROWS, 8):  # per rank and batch element
+        shard = ints((2, rows, 8), 11 + rank, torch.float32, device)
+        lay = layout.gather_layout(shard, 1, ws, batch_major=True)
+        assert (lay.segment > 0) == (rows >= layout.BATCH_MAJOR_MIN_ROWS), (rows, lay.segment)
+        for strategy in ("pipeline", "ring"):
+            check_ag_case_shapes(device, (2, rows, 8), strategy, seed=count)
+            check_rs_case(device, torch.float32, 3, 1, True, "sum", strategy, seed=count, shape=(2, rows * ws, 8))
+            count += 1
+        full = ints((2, rows * ws, 8), 5, torch.float32, device)
+        assert (layout.scatter_layout(full, 1, ws, batch_major=True).segment > 0) == (rows >= layout.BATCH_MAJOR_MIN_ROWS)
+    return count
+
+
+def check_ag_case_shapes(device, shape, strategy, seed):
+    """check_ag_case's comparison for one given shard shape, gathered along dim 1, two weights."""
+    rank, ws = world()
+    shards = [ints(shape, seed * 100 + r, torch.float32, device) for r in range(ws)]
+    bs = [ints((shape[-1], 6 + 2 * i), seed * 100 + 50 + i, torch.float32, device) for i in range(2)]
+    a_g, outs = asynctp.all_gather_matmul(shards[rank], bs, 1, dist.group.WORLD, strategy=strategy)
+    ref_a, ref_outs = ag_reference(shards, bs, [None, None], 1, True)
+    assert torch.equal(a_g, ref_a) and a_g.is_contiguous(), f"ag {shape} {strategy}: gathered a"
+    for o, r in zip(outs, ref_outs):
+        assert torch.equal(o, r) and o.is_contiguous(), f"ag {shape} {strategy}: max diff {(o - r).abs().max()}"
 
 
 def outputs_do_not_alias(device: str) -> None:

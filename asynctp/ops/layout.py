@@ -10,9 +10,11 @@ the gathered matrix is columns r*k:(r+1)*k, which multiplies rows r*k:(r+1)*k of
 Outputs are fresh tensors, contiguous in the caller's layout (moved_back): the row tensors with
 the gather/scatter dim moved back in place, copied when that dim is not already outermost (a
 leading dim of size > 1, e.g. batch 2 with a sequence dim 1). Serial and pipelined strategies
-and the fake implementations return identical layouts. ASYNCTP_BATCH_MAJOR=1 (an experiment)
-lets the pipelined and ring strategies keep the caller's row order instead of moving the dim
-first and back (no copies; one GEMM per run of rows): GatherLayout.out_runs, ScatterLayout.a_runs.
+and the fake implementations return identical layouts. The batch-major order (ASYNCTP_BATCH_MAJOR:
+auto, the default, where each rank's run of rows is >= BATCH_MAJOR_MIN_ROWS; "1" always; "0"
+never) lets the pipelined and ring strategies keep the caller's row order instead of moving the
+dim first and back (no copies; one GEMM per run of rows): GatherLayout.out_runs,
+ScatterLayout.a_runs. Measured on 2xH200 at batch 2 (benchmarks/results/NOTES.md, eighth session).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back",
-           "batch_major_ok", "rank_runs", "BATCH_MAJOR_ENV"]
+           "batch_major_ok", "batch_major_mode", "rank_runs", "BATCH_MAJOR_ENV",
+           "BATCH_MAJOR_MIN_ROWS"]
 
-BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # "1": gathers / scatters behind leading dims keep the caller's row order
+BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # auto (default) / 1 / 0: gathers / scatters behind leading dims keep the caller's row order
 
 
 def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -61,7 +64,7 @@ def matmul_rows(a: torch.Tensor, dim: int, world_size: int, gather: bool) -> int
 class GatherLayout:
     """Row order of a gather dim behind leading dims (L = their product > 1): front (default), a
     shard with the gather dim moved first and copied, outputs moved back (another copy); or
-    batch-major (segment > 0, ASYNCTP_BATCH_MAJOR=1, pipelined / ring strategies only): shard_2d
+    batch-major (segment > 0, see batch_major_ok; pipelined / ring strategies only): shard_2d
     is the shard in the caller's order, no copy, and rank r's rows l * seg + [0, seg) land in
     output rows l * R * seg + r * seg + [0, seg), one GEMM per run (see out_runs)."""
 
@@ -111,7 +114,7 @@ def gather_layout(a_shard: torch.Tensor, dim: int, world_size: int, batch_major:
     if dim == a_shard.ndim - 1:
         shard_2d = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()
         return GatherLayout(shard_2d, dim, True, world_size, tuple(a_shard.shape[:-1]))
-    if batch_major and batch_major_ok(a_shard, dim):
+    if batch_major and batch_major_ok(a_shard, dim, math.prod(a_shard.shape[dim:-1])):
         shard_2d = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()  # the caller's order (no copy when contiguous)
         full = (*a_shard.shape[:dim], world_size * a_shard.shape[dim], *a_shard.shape[dim + 1 : -1])
         return GatherLayout(shard_2d, dim, False, world_size, full,
@@ -129,12 +132,12 @@ class ScatterLayout:
     columns are scattered instead); each rank's chunk of a @ b is [m, N] (n mode: [M, N / R]).
 
     Two row orders for a scatter dim behind leading dims (L = their product > 1):
-      front (default): a with the scatter dim moved first and copied, so each rank's chunk is one
-          run of rows; the output is moved back (another copy).
-      batch-major (segment > 0, ASYNCTP_BATCH_MAJOR=1, pipelined / ring strategies only): a_2d is
+      front (serial strategy; short runs): a with the scatter dim moved first and copied, so each
+          rank's chunk is one run of rows; the output is moved back (another copy).
+      batch-major (segment > 0, see batch_major_ok; pipelined / ring strategies only): a_2d is
           a in the caller's order, no copy; rank r's chunk is L runs ("segments") of `segment`
           rows, l * R * segment + r * segment + [0, segment), one GEMM each, and the chunk's rows
-          are already the output's order (no copy back). An experiment: not yet measured on GPUs."""
+          are already the output's order (no copy back)."""
 
     a_2d: torch.Tensor
     dim: int
@@ -165,13 +168,28 @@ class ScatterLayout:
         return out if (self.n_mode or self.segment) else moved_back(out, self.dim)
 
 
-def batch_major_ok(a: torch.Tensor, dim: int) -> bool:
+BATCH_MAJOR_MIN_ROWS = 512  # auto: the batch-major order where each run has at least this many rows
+
+
+def batch_major_mode() -> str:
+    """ASYNCTP_BATCH_MAJOR: "auto" (unset, the default), "1" (always where possible) or "0" (never)."""
+    mode = os.environ.get(BATCH_MAJOR_ENV, "") or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{BATCH_MAJOR_ENV} requires 'auto', '0' or '1', got {mode!r}")
+    return mode
+
+
+def batch_major_ok(a: torch.Tensor, dim: int, run_rows: int) -> bool:
     """Whether gather_layout / scatter_layout(batch_major=True) use the batch-major order for a:
-    asked for (ASYNCTP_BATCH_MAJOR=1), a gather / scatter dim behind leading dims of more than one
-    element, not the last dim."""
-    return (
-        os.environ.get(BATCH_MAJOR_ENV) == "1" and 0 < dim < a.ndim - 1 and math.prod(a.shape[:dim]) > 1
-    )
+    a gather / scatter dim behind leading dims of more than one element, not the last dim, and
+    ASYNCTP_BATCH_MAJOR "1", or "auto" (the default) with run_rows (a rank's rows of one leading
+    index) at least BATCH_MAJOR_MIN_ROWS: shorter runs make many small GEMMs."""
+    if not (0 < dim < a.ndim - 1 and math.prod(a.shape[:dim]) > 1):
+        return False
+    mode = batch_major_mode()
+    if mode != "auto":
+        return mode == "1"
+    return run_rows >= BATCH_MAJOR_MIN_ROWS
 
 
 def scatter_layout(a: torch.Tensor, dim: int, world_size: int, batch_major: bool = False) -> ScatterLayout:
@@ -180,7 +198,7 @@ def scatter_layout(a: torch.Tensor, dim: int, world_size: int, batch_major: bool
     if dim == a.ndim - 1:
         a_2d = a.reshape(-1, a.shape[-1]).contiguous()
         return ScatterLayout(a_2d, dim, True, world_size, tuple(a.shape[:-1]))
-    if batch_major and batch_major_ok(a, dim):
+    if batch_major and batch_major_ok(a, dim, math.prod(a.shape[dim:-1]) // world_size):
         a_2d = a.reshape(-1, a.shape[-1]).contiguous()  # the caller's order (no copy when contiguous)
         s = a.shape[dim] // world_size
         out_shape = (*a.shape[:dim], s, *a.shape[dim + 1 : -1])

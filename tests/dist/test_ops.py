@@ -46,6 +46,10 @@ def test_batch_major_order_matches_reference(pool, strategy, splits):
     assert pool.run(cases.under_env, env, cases.matmul_reduce_scatter_grid, DEVICE, "float32", strategy)[0] == 28
 
 
+def test_batch_major_is_the_default_for_long_runs(pool):
+    assert pool.run(cases.batch_major_by_default, DEVICE)[0] == 4
+
+
 def test_outputs_do_not_alias_workspace(pool):
     pool.run(cases.outputs_do_not_alias, DEVICE)
 

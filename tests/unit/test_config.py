@@ -112,3 +112,30 @@ def test_rule_for_unmeasured_shapes():
     assert tuning._rule("matmul_reduce_scatter", small) == "serial"
     assert tuning._rule("all_gather_scaled_matmul", ("float8_e4m3fn-rowwise", 8192, 3584, 8192)) == "pipeline"
     assert tuning._rule("scaled_matmul_reduce_scatter", ("float8_e4m3fn-rowwise", 1024, 8192, 3584)) == "serial"
+
+
+@pytest.mark.parametrize("env, rows, expected", [
+    (None, 512, True), (None, 511, False), ("auto", 4096, True), ("1", 8, True), ("0", 4096, False),
+])
+def test_batch_major_order_gate(monkeypatch, env, rows, expected):
+    """auto (default): the batch-major order where a rank's run of rows per batch element reaches
+    BATCH_MAJOR_MIN_ROWS; "1" / "0" force it; never for a batch of one or the last dim."""
+    from asynctp.ops import layout
+
+    assert layout.BATCH_MAJOR_MIN_ROWS == 512
+    if env is None:
+        monkeypatch.delenv(layout.BATCH_MAJOR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(layout.BATCH_MAJOR_ENV, env)
+    shard = torch.zeros(3, rows, 4)
+    assert (gather_layout(shard, 1, 2, batch_major=True).segment > 0) == expected
+    assert (scatter_layout(torch.zeros(3, 2 * rows, 4), 1, 2, batch_major=True).segment > 0) == expected
+    assert gather_layout(shard, 1, 2, batch_major=False).segment == 0  # the serial strategy's order
+    assert gather_layout(torch.zeros(1, rows, 4), 1, 2, batch_major=True).segment == 0
+    assert gather_layout(shard, 2, 2, batch_major=True).segment == 0
+
+
+def test_batch_major_env_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_BATCH_MAJOR", "yes")
+    with pytest.raises(ValueError, match="ASYNCTP_BATCH_MAJOR requires 'auto', '0' or '1', got 'yes'"):
+        gather_layout(torch.zeros(3, 512, 4), 1, 2, batch_major=True)
