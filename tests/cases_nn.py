@@ -63,6 +63,31 @@ def _col_case(device, dtype, gather_dim, num_weights, with_bias, save, seed, str
             assert torch.equal(b.grad, g_2d.sum(0).to(dtype)), f"{label}: grad bias {i}"
 
 
+def contract_cases(device: str, dtype_name: str = "float32") -> int:
+    """all_gather_contract (the re-gathering wgrad) against g^T @ x_gathered, exactly, for
+    gather dims 0 and 1, both row orders (batch-major forced, and by default at long runs), every
+    strategy, two grads sharing the gather; results contiguous [N_i, K]. bfloat16 (CUDA): exact
+    too, the float32 sums rounded once (a bf16 partial per block would round twice)."""
+    from asynctp.ops.all_gather_matmul import all_gather_contract
+    rank, ws = world()
+    count = 0
+    for shape, dim, env in (((3, 2, 8), 0, {}), ((2, 3, 8), 1, {}), ((2, 3, 8), 1, {"ASYNCTP_BATCH_MAJOR": "1"}),
+                            ((2, 512, 8), 1, {})):
+        for strategy in ("pipeline", "serial", "ring"):
+            dtype = DTYPES[dtype_name]
+            shards = [ints(shape, count * 10 + r, dtype, device) for r in range(ws)]
+            x_full = torch.cat(shards, dim=dim)
+            gs = [ints((*x_full.shape[:-1], n), count * 10 + 7 + n, dtype, device) for n in (5, 3)]
+            got = under_env(env, all_gather_contract, shards[rank], gs, dim, dist.group.WORLD, strategy)
+            for g, o in zip(gs, got):
+                ref = (g.double().reshape(-1, g.shape[-1]).t() @ x_full.double().reshape(-1, shape[-1])).to(dtype)
+                label = f"contract {shape} dim={dim} {env} {strategy}"
+                assert torch.equal(o, ref), f"{label}: max diff {(o - ref).abs().max()}"
+                assert o.is_contiguous(), f"{label}: strides {o.stride()}"
+            count += 1
+    return count
+
+
 def _row_case(device, dtype, scatter_dim, with_bias, seed, strategy="auto"):
     """linear_reduce_scatter forward and backward against the float64 serial reference."""
     rank, ws = world()

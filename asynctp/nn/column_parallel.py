@@ -8,9 +8,11 @@ Shape legend (R = world size, gather dim g, here the sequence dim of [B, S, D] a
 
     forward   out_i = all_gather_matmul(x_shard, [w_i.t()...])        one gather for every weight
     dgrad     grad_x_shard = matmul_reduce_scatter(cat(grad_out_i), cat(w_i), g)   one collective
-    wgrad     grad_w_i = grad_out_i^T @ x_gathered: x re-gathered by all_gather_matmul (the gather
-              overlapped with the wgrad matmuls, fp32 accumulation), or saved from the forward
-              (save_gathered_input=True: R times the memory of x_shard, no second gather)
+    wgrad     grad_w_i = grad_out_i^T @ x_gathered: x re-gathered by all_gather_contract (the
+              gather overlapped with the wgrad matmuls, each block of x times the matching rows
+              of grad_out_i, fp32 accumulation, [N_i, K] results: no transposed copies), or saved
+              from the forward (save_gathered_input=True: R times the memory of x_shard, no
+              second gather). Under torch.compile, and for a gather along K: all_gather_matmul.
 
 Saved for backward: x_shard (or a fresh x_gathered) and the weights; never a workspace view.
 """
@@ -23,6 +25,7 @@ import torch
 
 from asynctp.nn.precision import Float8Matmuls, resolve_float8
 from asynctp.nn.fused import gather_matmul, matmul_scatter
+from asynctp.ops.all_gather_matmul import all_gather_contract
 from asynctp.symm import resolve_group
 
 __all__ = ["all_gather_linear", "run_all_gather_linear"]
@@ -185,6 +188,9 @@ def _wgrad(config: _Config, x_saved: torch.Tensor, grad_outs: tuple[torch.Tensor
         x_2d = x_saved.reshape(-1, x_saved.shape[-1])
         return [g.reshape(-1, g.shape[-1]).t() @ x_2d for g in grad_outs]
     x_shard, dim = x_saved, config.dim
+    if dim != x_shard.ndim - 1 and not torch.compiler.is_compiling():
+        # x re-gathered along rows, each block contracted with the matching grad rows into [N_i, K]
+        return all_gather_contract(x_shard, list(grad_outs), dim, config.group_name, config.strategy)
     if dim == x_shard.ndim - 1:
         # x gathered along K: x_gathered^T [K, M] stacks the ranks' [k, M] blocks (row mode)
         x_t = x_shard.reshape(-1, x_shard.shape[-1]).t()

@@ -18,7 +18,7 @@ from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_all_gather_matmul
 from asynctp.symm import Workspace, resolve_group
 
-__all__ = ["all_gather_matmul"]
+__all__ = ["all_gather_matmul", "all_gather_contract"]
 
 
 def all_gather_matmul(
@@ -172,3 +172,79 @@ def _consume_k_blocks(
             acc.add_(bias)
         outs.append(lay.restore(acc.to(lay.shard_2d.dtype)))
     return outs
+
+
+# ---------------------------------------------------------------------- the wgrad contraction
+
+def all_gather_contract(
+    x_shard: torch.Tensor, gs: list[torch.Tensor], gather_dim: int, group: Any, strategy: str = "auto",
+) -> list[torch.Tensor]:
+    """[g_i^T @ x_gathered for g_i in gs], x gathered along `gather_dim` (not the last dim), the
+    contraction running over the gathered rows: the weight gradients of a column-parallel linear
+    that re-gathers its input (x_shard [..., s, ..., K]; g_i [..., R * s, ..., N_i], the output
+    gradient; result [N_i, K], contiguous, as nn.Linear's weight). Each arriving block of x is
+    multiplied by the matching rows of every g_i (no transposed copy of x or of the result) and
+    accumulated in fp32 (a float32 GEMM output on CUDA: one rounding at the end, as one GEMM
+    would). Internal (asynctp.nn's backward): arguments are not validated beyond shapes."""
+    pg = resolve_group(group)
+    world = pg.size()
+    dim = gather_dim % x_shard.ndim
+    if dim == x_shard.ndim - 1:
+        raise ValueError("all_gather_contract requires a gather dim other than the last (K)")
+    for g in gs:
+        if g.shape[:-1] != (*x_shard.shape[:dim], world * x_shard.shape[dim], *x_shard.shape[dim + 1 : -1]):
+            raise ValueError(f"all_gather_contract requires g of shape (gathered x's rows, N), got {tuple(g.shape)} "
+                             f"for x_shard {tuple(x_shard.shape)} over {world} ranks")
+    k = x_shard.shape[-1]
+    rows_total = matmul_rows(x_shard, dim, world, gather=True)
+    shape_key = (str(x_shard.dtype).removeprefix("torch."), k, sum(g.shape[-1] for g in gs), rows_total)
+    chosen, ws = choose("all_gather_matmul", strategy, pg, x_shard.device, shape_key)
+    if chosen == "serial":
+        lay = gather_layout(x_shard, dim, world)
+        rows = lay.new_rows(k)
+        torch.distributed.all_gather_into_tensor(rows, lay.shard_2d, group=pg)
+        return [torch.mm(_rows_like(g, lay).t(), rows) for g in gs]
+    if chosen == "ring":
+        return _contract(pg, gather_layout(x_shard, dim, world, batch_major=True), gs, 1, ring=True)
+    ws.op = "all_gather_contract"
+    splits, _ = plan_for("all_gather_matmul", shape_key, ws.world_size)
+
+    def body():  # (None, outputs): the graph cache's result shape
+        return None, _contract(ws, gather_layout(x_shard, dim, world, batch_major=True), gs, splits)
+
+    key = ("all_gather_contract", tensor_key(x_shard), dim, tuple(map(tensor_key, gs)), splits, graphs.settings())
+    return graphs.call(ws, key, body)[1]
+
+
+def _rows_like(g: torch.Tensor, lay: GatherLayout) -> torch.Tensor:
+    """g [..., R * s, ..., N] as 2-D rows in the order of lay's gathered rows (front order: the
+    gather dim moved first, a copy when leading dims have more than one element; batch-major:
+    the caller's order, no copy)."""
+    if lay.segment or lay.dim == 0:
+        return g.reshape(-1, g.shape[-1])
+    return g.movedim(lay.dim, 0).reshape(-1, g.shape[-1])
+
+
+def _contract(ws: Workspace | Any, lay: GatherLayout, gs: list[torch.Tensor], splits: int, ring: bool = False):
+    g_rows = [_rows_like(g, lay) for g in gs]
+    k = lay.shard_2d.shape[1]
+    acc_dtype = torch.float64 if lay.shard_2d.dtype == torch.float64 else torch.float32
+    accs = [lay.shard_2d.new_zeros((g.shape[1], k), dtype=acc_dtype) for g in g_rows]
+    fp32_out = lay.shard_2d.is_cuda and lay.shard_2d.dtype in (torch.bfloat16, torch.float16)
+
+    def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+        for off, row, count in lay.out_runs(src, lo, blocks[0].shape[0]):
+            x_run = blocks[0][off : off + count]
+            for acc, g in zip(accs, g_rows):
+                g_t = g[row : row + count].t()
+                if acc.dtype == x_run.dtype:
+                    acc.addmm_(g_t, x_run)
+                elif fp32_out:  # the GEMM accumulates into the float32 sums itself
+                    torch.addmm(acc, g_t, x_run, out_dtype=acc.dtype, out=acc)
+                else:
+                    acc.add_(torch.mm(g_t, x_run))
+
+    rows = lay.new_rows(k) if ring else None
+    # one stream: the accumulators are shared by every step
+    _gather(ws, lay, rows, consume, splits, False, False, ring)
+    return [acc.to(lay.shard_2d.dtype) for acc in accs]

@@ -22,6 +22,10 @@ def test_two_layers_in_a_row(pool, save):
     pool.run(cases_nn.two_layers_in_a_row, DEVICE, save)
 
 
+def test_wgrad_contraction(pool):
+    assert pool.run(cases_nn.contract_cases, DEVICE)[0] == 12
+
+
 def test_bad_inputs(pool):
     messages = pool.run(cases_nn.bad_linear_inputs, DEVICE)
     assert all(m == messages[0] for m in messages)

@@ -26,6 +26,11 @@ def test_two_layers_in_a_row(pool, save):
     pool.run(cases_nn.two_layers_in_a_row, DEVICE, save)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wgrad_contraction(pool, dtype):
+    assert pool.run(cases_nn.contract_cases, DEVICE, dtype)[0] == 12
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_float8_recipes_by_sqnr(pool, recipe):
     worst = pool.run(cases_nn.float8_linears, DEVICE, recipe, "bfloat16")[0]
