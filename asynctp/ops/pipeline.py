@@ -41,8 +41,9 @@ order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contrac
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -96,13 +97,24 @@ def gather_and_consume(
     lockstep: the local consume waits for the opening barrier (see below). mode: "push" or
     "pull" (None: gather_mode())."""
     mode = mode or gather_mode()
-    with sm_carveout(ws.device, "pipeline"):
+    with sm_carveout(ws.device, "pipeline"), _settled(ws):
         if mode == "push":
             _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
         else:
             gathered = [g if g is not None else t.new_empty((ws.world_size * t.shape[0], *t.shape[1:]))
                         for g, t in zip(gathered, shards)]
             _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+
+
+@contextlib.contextmanager
+def _settled(ws: Workspace) -> Iterator[None]:
+    """An op that raises between its fork and join is marked abandoned (Lanes.abandon): the
+    watchdog would otherwise take its waits for ones still being queued."""
+    try:
+        yield
+    except BaseException:
+        ws.lanes.abandon()
+        raise
 
 
 def _slots(shards: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -220,7 +232,7 @@ def produce_and_reduce_scatter(
     producer has no such epilogue (acc is never given); each own block's reduction then runs on
     the side stream, under the next block's GEMM, and only the last one adds to the tail.
     Returns this rank's reduced chunk, a fresh [m, n] tensor."""
-    with sm_carveout(ws.device, "pipeline"):
+    with sm_carveout(ws.device, "pipeline"), _settled(ws):
         return _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, splits, fused_acc)
 
 

@@ -50,7 +50,8 @@ _thread: threading.Thread | None = None
 
 def watch(ws: Any) -> None:
     """Watch a workspace: it exposes `pending` (a Pending or None), `lanes._done` (an event with
-    query(), recorded when an op finished), `rank` and `group_name`."""
+    query(), recorded when an op finished), `lanes.started` / `lanes.joined` (op counts: unequal
+    while an op is being queued), `rank` and `group_name`."""
     global _thread
     with _lock:
         _watched.add(ws)
@@ -64,15 +65,22 @@ def check(ws: Any, now: float | None = None) -> str | None:
     p = ws.pending
     if p is None:
         return None
-    done = ws.lanes._done
-    if done is None:  # the last op was captured into a CUDA graph: nothing to go by, drop it
-        if ws.pending is p:
-            ws.pending = None
-        return None
-    try:
-        finished = done.query()
-    except Exception:  # noqa: BLE001  (after a device trap the context is gone)
+    lanes = ws.lanes
+    if getattr(lanes, "started", 0) != getattr(lanes, "joined", 0):
+        # the host is still queuing the op that enqueued the wait (or is blocked in it: on
+        # 4xH200 a launch after a wait for a peer that never came blocked the host): the
+        # completion event is the previous op's, so the wait is unfinished
         finished = False
+    else:
+        done = lanes._done
+        if done is None:  # the last op was captured into a CUDA graph: nothing to go by, drop it
+            if ws.pending is p:
+                ws.pending = None
+            return None
+        try:
+            finished = done.query()
+        except Exception:  # noqa: BLE001  (after a device trap the context is gone)
+            finished = False
     now = time.monotonic() if now is None else now
     if finished and now - p.issued > 1.0:  # the op (or a later one) completed: nothing stuck
         if ws.pending is p:

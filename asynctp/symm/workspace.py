@@ -84,6 +84,10 @@ class Lanes:
         self.caller: Any = None  # the caller's stream, set by fork()
         self.active: Any = None  # the stream work is being queued on
         self._done: Any = None  # recorded on the caller's stream when an op has finished
+        # ops forked and ops joined (or abandoned): unequal while the host is still queuing an op,
+        # when _done is the previous op's event and says nothing about this one's waits
+        self.started = 0
+        self.joined = 0
         if self.is_cuda:
             with torch.cuda.device(device):
                 # High priority: otherwise CUDA may start the next matmul before the copy the
@@ -98,6 +102,7 @@ class Lanes:
         the previous op on this workspace if that one was queued on another stream: two ops in
         flight on different streams would share the workspace's bytes, so they are serialized."""
         self._next_event = 0
+        self.started += 1
         if self.is_cuda:
             previous = self.caller
             self.caller = self.active = torch.cuda.current_stream()
@@ -115,10 +120,15 @@ class Lanes:
             self.caller.wait_stream(self.side_stream)
             if torch.cuda.is_current_stream_capturing():
                 self._done = None  # a captured op is ordered by the graph's replays, not by this event
-                return
-            if self._done is None:
-                self._done = torch.cuda.Event()
-            self._done.record(self.caller)
+            else:
+                if self._done is None:
+                    self._done = torch.cuda.Event()
+                self._done.record(self.caller)
+        self.joined = self.started  # after the record: the watchdog reads the counts, then _done
+
+    def abandon(self) -> None:
+        """An op raised between fork and join: no completion event is coming for it."""
+        self.joined = self.started
 
     def copy(self) -> contextlib.AbstractContextManager:
         return self._copy if self.is_cuda else self._null

@@ -77,3 +77,29 @@ def test_a_stuck_kernel_wait_is_only_logged():
     ws = fake_ws(False, p)
     ws.abort_device = lambda: (_ for _ in ()).throw(AssertionError("must not abort"))
     assert "barrier channel 0" in watchdog.report(ws, now=p.issued + 2.0)
+
+
+@pytest.mark.parametrize("done", [FakeEvent(True), None], ids=["previous-op-finished", "after-a-capture"])
+def test_a_wait_of_an_op_still_being_queued_is_named(done):
+    # the host blocked inside the op after the wait (4xH200: a launch after a wait for a peer
+    # that never came): the completion event is still the previous op's and must not count
+    p = watchdog.Pending("matmul_reduce_scatter", "signal channel 2", 3, timeout=1.0)
+    ws = fake_ws(False, p)
+    ws.lanes = SimpleNamespace(_done=done, started=5, joined=4)
+    assert watchdog.check(ws, now=p.issued + 0.5) is None and ws.pending is p
+    assert "signal channel 2 from rank 3" in watchdog.check(ws, now=p.issued + 2.0)
+
+
+def test_lanes_count_ops_and_an_abandoned_op_settles():
+    import torch
+
+    from asynctp.symm.workspace import Lanes
+
+    lanes = Lanes(torch.device("cpu"))
+    lanes.fork()
+    assert (lanes.started, lanes.joined) == (1, 0)
+    lanes.join()
+    assert (lanes.started, lanes.joined) == (1, 1)
+    lanes.fork()
+    lanes.abandon()
+    assert lanes.started == lanes.joined == 2
