@@ -144,6 +144,44 @@ def check_ag(device: str, *, ndim: int, gather_dim: int, a_mode: str, b_mode: st
         assert o.is_contiguous(), f"{label}: output strides {o.stride()}"
 
 
+def with_scale_cases(device: str) -> int:
+    """all_gather_scaled_matmul_with_scale (the fp8 row-parallel backward's gather): its gathered
+    a and outputs equal all_gather_scaled_matmul's (exact), its gathered scale equals the ranks'
+    scales concatenated along the gather dim, for 2-D / 3-D, gather dims 0 / 1, the front and the
+    batch-major order, and every strategy; a tensorwise scale or a gather along K is refused."""
+    from asynctp.ops.all_gather_scaled_matmul import all_gather_scaled_matmul_with_scale
+    from tests.cases import under_env
+
+    rank, ws = world()
+    count = 0
+    with checked_scaled_mm():
+        for shape, dim, env in (([3, K_BLOCK], 0, {}), ([2, 3, K_BLOCK], 0, {}), ([2, 3, K_BLOCK], 1, {}),
+                                ([2, 3, K_BLOCK], 1, {"ASYNCTP_BATCH_MAJOR": "1", "ASYNCTP_SPLITS": "2"})):
+            for strategy in ("pipeline", "serial", "ring"):
+                shards = [fp8_ints(shape, count * 10 + r, E4M3, device) for r in range(ws)]
+                scales = _a_scales("rowwise", [shape] * ws, count * 10 + 5, device)
+                b = weight_t(32, K_BLOCK, count * 10 + 8, E4M3, device)
+                b_scale = _b_scale("per_column", 32, count * 10 + 9, device)
+                args = (shards[rank], [b], scales[rank], [b_scale], dim, dist.group.WORLD)
+                a_g, s_g, outs = under_env(env, lambda: all_gather_scaled_matmul_with_scale(*args, strategy=strategy))
+                ref_a, ref_outs = under_env(env, lambda: all_gather_scaled_matmul(*args, strategy=strategy))
+                label = f"with_scale {shape} dim={dim} {env} {strategy}"
+                assert same_bytes(a_g, ref_a) and torch.equal(outs[0], ref_outs[0]), label
+                assert torch.equal(s_g, torch.cat(scales, dim=dim)) and s_g.is_contiguous(), f"{label}: scale"
+                count += 1
+    g = dist.group.WORLD
+    x = fp8_ints([4, K_BLOCK], 1, E4M3, device)
+    w, ws_ = weight_t(32, K_BLOCK, 2, E4M3, device), _b_scale("per_column", 32, 3, device)
+    expect_errors([
+        (ValueError, "requires a rowwise a_scale",
+         lambda: all_gather_scaled_matmul_with_scale(x, [w], torch.ones((), device=device), [ws_], 0, g)),
+        (ValueError, "a gather dim other than the last",
+         lambda: all_gather_scaled_matmul_with_scale(x, [weight_t(32, K_BLOCK * ws, 2, E4M3, device)],
+                                                     torch.ones(4, 1, device=device), [ws_], 1, g)),
+    ])
+    return count
+
+
 def check_rs(device: str, *, ndim: int, scatter_dim: int, a_mode: str, b_mode: str, out_dtype: torch.dtype,
              with_bias: bool, reduce_op: str, strategy: str, seed: int, a_dtype: torch.dtype = E4M3,
              b_dtype: torch.dtype = E4M3, shape: list | None = None) -> None:

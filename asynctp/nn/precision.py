@@ -25,6 +25,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from asynctp.ops import graphs
+from asynctp.ops.strategy import eager_call_ok
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
@@ -34,7 +35,7 @@ _NEEDED = (
     ("asynctp.float8", ("Float8Recipe",)),
     ("asynctp.float8.quantize", ("quantize_rows", "quantize_tensor", "quantize_weight_into", "quantize_weight_for_dgrad",
                                  "dequantize", "abs_max", "agreed_amax")),
-    ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul",)),
+    ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul", "all_gather_scaled_matmul_with_scale")),
     ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
 )
 
@@ -109,6 +110,13 @@ class Float8Matmuls:
         """(grad_gathered in grad_shard's dtype, grad_gathered @ weight), the gather in fp8."""
         g_fp8, g_scale = self._quantize("grad", grad_shard, self.recipe.grad_dtype, config.group_name)
         b, b_scale = self._weight_for_dgrad(weight)
+        if self.rowwise and config.dim != grad_shard.ndim - 1 and eager_call_ok(g_fp8, g_scale, b, b_scale):
+            # the fused op's gather moves the scales with their rows: it hands them back too
+            g_gathered_fp8, scale, (grad_x,) = self.api.all_gather_scaled_matmul_with_scale(
+                g_fp8, [b], g_scale, [b_scale], config.dim, config.group_name, out_dtype=grad_shard.dtype,
+                strategy=config.strategy,
+            )
+            return self.api.dequantize(g_gathered_fp8, scale, grad_shard.dtype), grad_x
         g_gathered_fp8, (grad_x,) = self._gather_mm(
             g_fp8, [b], g_scale, [b_scale], config, grad_shard.dtype, [None], False, return_a=True
         )

@@ -20,7 +20,7 @@ from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
 from asynctp.symm import resolve_group
 
-__all__ = ["all_gather_scaled_matmul"]
+__all__ = ["all_gather_scaled_matmul", "all_gather_scaled_matmul_with_scale"]
 
 
 def all_gather_scaled_matmul(
@@ -77,6 +77,38 @@ def all_gather_scaled_matmul(
     return a_gathered, list(outs)
 
 
+def all_gather_scaled_matmul_with_scale(
+    a_shard: torch.Tensor,
+    bs: list[torch.Tensor],
+    a_scale: torch.Tensor,
+    b_scales: list[torch.Tensor],
+    gather_dim: int,
+    group: Any,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
+    strategy: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """all_gather_scaled_matmul(return_a=True) with a rowwise a_scale that also returns the
+    gathered scale, which its gather moves anyway: (a_gathered, a_scale_gathered, outs), the
+    scale shaped a_gathered.shape[:-1] + (1,). Internal (asynctp.nn's fp8 row-parallel backward
+    dequantizes the gathered output grad with it, instead of all-gathering the scales again);
+    eager only, a gather dim other than the last."""
+    pg = resolve_group(group)
+    checked = check_all_gather_scaled_matmul(
+        a_shard, bs, a_scale, b_scales, gather_dim, pg.size(), out_dtype, None, use_fast_accum, True, strategy
+    )
+    dim, bs, b_scales, biases, rowwise = checked
+    if not rowwise or dim == a_shard.ndim - 1:
+        raise ValueError("all_gather_scaled_matmul_with_scale requires a rowwise a_scale and a gather dim other than "
+                         f"the last, got a_scale of shape {tuple(a_scale.shape)} and gather_dim {gather_dim}")
+    if not eager_call_ok(a_shard, a_scale, *bs, *b_scales):
+        raise ValueError("all_gather_scaled_matmul_with_scale requires eager plain tensors without autograd "
+                         "(it has no custom op for torch.compile)")
+    a_gathered, outs = _run(a_shard, a_scale, checked, pg, out_dtype, use_fast_accum, True, strategy, return_scale=True)
+    return a_gathered, outs[-1], list(outs[:-1])
+
+
 @torch.library.custom_op(
     "asynctp::all_gather_scaled_matmul",
     mutates_args=(),
@@ -93,8 +125,9 @@ def _all_gather_scaled_matmul_op(
     return _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy)
 
 
-def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy):
-    """The implementation, on validated arguments (`checked`: what the check returned)."""
+def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy, return_scale=False):
+    """The implementation, on validated arguments (`checked`: what the check returned).
+    return_scale (rowwise, internal): the gathered a_scale is appended to the outputs."""
     dim, bs, b_scales, biases, rowwise = checked
     world = group.size()
     if guard.enabled():
@@ -111,7 +144,7 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
         # the scale goes through a's own layout, so scale row i is the scale of a_2d row i
         scale_2d = gather_layout(a_scale, dim, world, batch_major).shard_2d if rowwise else None
         return (lay, a_scale, scale_2d, [column_major(b) for b in bs], b_scales, biases, out_dtype, use_fast_accum,
-                return_a)
+                return_a, return_scale)
 
     if chosen == "ring":
         lay, _, scale_2d, *_ = call_args = args()
@@ -119,7 +152,7 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     if ws is None or chosen == "serial":
         lay, _, scale_2d, bs_cm, *_ = args(batch_major=False)
         return all_gather_scaled_matmul_serial(
-            lay, a_scale, scale_2d, bs_cm, b_scales, biases, out_dtype, use_fast_accum, group, return_a
+            lay, a_scale, scale_2d, bs_cm, b_scales, biases, out_dtype, use_fast_accum, group, return_a, return_scale
         )
     ws.op = "all_gather_scaled_matmul"
     # the bf16 op's plan (row blocks, lockstep): the pipeline is the same
@@ -133,7 +166,7 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
 
     key = ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
            tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
-           splits, lockstep, graphs.settings())
+           return_scale, splits, lockstep, graphs.settings())
     return graphs.call(ws, key, body)
 
 
@@ -194,9 +227,12 @@ def _pipelined(
     out_dtype: torch.dtype,
     use_fast_accum: bool,
     return_a: bool,
+    return_scale: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """One gather (gather_and_consume over the workspace) moves a's rows (as bytes) and, when
-    rowwise, the scale rows; gather(shards, gathered, consume, alternate) runs it."""
+    rowwise, the scale rows; gather(shards, gathered, consume, alternate) runs it. return_scale
+    (rowwise, row mode): each block's scale rows are also copied out, and the gathered scale is
+    appended to the outputs."""
     m, world = lay.m, lay.world_size
     # the gathered rows only for the caller: the consumer reads each block where it landed (the
     # ring's gather makes its own receive buffer when given None)
@@ -231,6 +267,8 @@ def _pipelined(
         outs = [lay.restore(o) for o in acc.finish(biases, out_dtype)]
     else:
         out_rows = [lay.new_rows(b.shape[1], dtype=out_dtype) for b in bs]
+        if return_scale:
+            out_rows.append(lay.new_rows(1, dtype=scale_2d.dtype))  # the scale rows, in the outputs' order
 
         def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
             a_block = blocks[0].view(lay.shard_2d.dtype)
@@ -240,6 +278,8 @@ def _pipelined(
                 for out, b, b_scale, bias in zip(out_rows, bs, b_fixed, biases):
                     scaled_mm(a_block[off : off + count], b, s_run, b_scale, out_dtype, bias=bias,
                               use_fast_accum=use_fast_accum, out=out[row : row + count])
+                if return_scale:
+                    out_rows[-1][row : row + count].copy_(blocks[1][off : off + count])
 
         gather(shards, gathered, consume, True)
         outs = [lay.restore(o) for o in out_rows]

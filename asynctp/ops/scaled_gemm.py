@@ -139,9 +139,11 @@ def all_gather_scaled_matmul_serial(
     use_fast_accum: bool,
     group: dist.ProcessGroup,
     return_a: bool,
+    return_scale: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """all_gather(a) (and a rowwise scale, row for row), then one scaled matmul per b.
-    scale_2d: the rowwise scale laid out like lay.shard_2d ([m, 1]), or None (tensorwise)."""
+    scale_2d: the rowwise scale laid out like lay.shard_2d ([m, 1]), or None (tensorwise).
+    return_scale (rowwise, row mode): the gathered scale is appended to the outputs."""
     world = lay.world_size
     rows = lay.new_rows(lay.shard_2d.shape[1])
     # byte copies: not every backend's all-gather knows float8
@@ -161,6 +163,8 @@ def all_gather_scaled_matmul_serial(
         a_s = scale_rows if scale_rows is not None else a_scale
         outs = [scaled_mm(a_2d, b, a_s, s, out_dtype, bias=bias, use_fast_accum=use_fast_accum)
                 for b, s, bias in zip(bs, b_scales, biases)]
+    if return_scale:
+        outs.append(scale_rows)
     return (a_gathered if return_a else None), [lay.restore(o) for o in outs]
 
 

@@ -47,6 +47,10 @@ def test_misaligned_scale_slices(pool, splits):
     assert pool.run(cases.alignment_cases, DEVICE, splits)[0] == 8 * 3 * 4 + 2
 
 
+def test_gather_that_returns_the_scales(pool):
+    assert pool.run(cases.with_scale_cases, DEVICE)[0] == 12
+
+
 def test_bad_inputs_raise_before_communication(pool):
     messages = pool.run(cases.bad_inputs, DEVICE)
     assert all(m == messages[0] for m in messages)  # the same error on every rank
