@@ -273,6 +273,10 @@ def opcheck_ops(device: str) -> None:
     a3 = ints((2 * ws, 3, 8), rank, torch.float32, device)
     for scatter_dim in (0, 2) + ((1,) if ws == 3 else ()):
         torch.library.opcheck(torch.ops.asynctp.matmul_reduce_scatter.default, (a3, b, scatter_dim, g, "sum", None, "pipeline"))
+    # the wgrad contraction (asynctp.nn under torch.compile): x [2, 3, 8] gathered along dim 1
+    x = ints((2, 3, 8), rank, torch.float32, device)
+    gs = [ints((2, 3 * ws, n), 9 + n, torch.float32, device) for n in (5, 2)]
+    torch.library.opcheck(torch.ops.asynctp.all_gather_contract.default, (x, gs, 1, g, "pipeline"))
 
 
 def large_pipeline_matches_serial() -> None:

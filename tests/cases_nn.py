@@ -88,6 +88,29 @@ def contract_cases(device: str, dtype_name: str = "float32") -> int:
     return count
 
 
+def compiled_regather_matches_eager(device: str) -> int:
+    """all_gather_linear with save_gathered_input=False under torch.compile: the backward's wgrad
+    goes through torch.ops.asynctp.all_gather_contract and equals eager's grads exactly."""
+    rank, ws = world()
+    x_full = ints((2, 3 * ws, 8), 3, torch.float32, device)
+    weights = [ints((n, 8), 4 + n, torch.float32, device) for n in (5, 6)]
+    grads = [ints((2, 3 * ws, n), 20 + n, torch.float32, device) for n in (5, 6)]
+
+    def step(x, w1, w2):
+        o1, o2 = all_gather_linear(x, [w1, w2], group=dist.group.WORLD, gather_dim=1, save_gathered_input=False)
+        return (o1 * grads[0]).sum() + (o2 * grads[1]).sum()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        x = x_full.chunk(ws, dim=1)[rank].clone().requires_grad_()
+        ws_ = [w.clone().requires_grad_() for w in weights]
+        fn(x, *ws_).backward()
+        results.append([x.grad, *(w.grad for w in ws_)])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled), f"max diff {(eager - compiled).abs().max()}"
+    return len(results[0])
+
+
 def _row_case(device, dtype, scatter_dim, with_bias, seed, strategy="auto"):
     """linear_reduce_scatter forward and backward against the float64 serial reference."""
     rank, ws = world()

@@ -12,7 +12,7 @@ Shape legend (R = world size, gather dim g, here the sequence dim of [B, S, D] a
               gather overlapped with the wgrad matmuls, each block of x times the matching rows
               of grad_out_i, fp32 accumulation, [N_i, K] results: no transposed copies), or saved
               from the forward (save_gathered_input=True: R times the memory of x_shard, no
-              second gather). Under torch.compile, and for a gather along K: all_gather_matmul.
+              second gather). For a gather along K: all_gather_matmul.
 
 Saved for backward: x_shard (or a fresh x_gathered) and the weights; never a workspace view.
 """
@@ -188,8 +188,11 @@ def _wgrad(config: _Config, x_saved: torch.Tensor, grad_outs: tuple[torch.Tensor
         x_2d = x_saved.reshape(-1, x_saved.shape[-1])
         return [g.reshape(-1, g.shape[-1]).t() @ x_2d for g in grad_outs]
     x_shard, dim = x_saved, config.dim
-    if dim != x_shard.ndim - 1 and not torch.compiler.is_compiling():
+    if dim != x_shard.ndim - 1:
         # x re-gathered along rows, each block contracted with the matching grad rows into [N_i, K]
+        if torch.compiler.is_compiling():
+            return list(torch.ops.asynctp.all_gather_contract(x_shard, list(grad_outs), dim, config.group_name,
+                                                              config.strategy))
         return all_gather_contract(x_shard, list(grad_outs), dim, config.group_name, config.strategy)
     if dim == x_shard.ndim - 1:
         # x gathered along K: x_gathered^T [K, M] stacks the ranks' [k, M] blocks (row mode)

@@ -216,6 +216,21 @@ def all_gather_contract(
     return graphs.call(ws, key, body)[1]
 
 
+@torch.library.custom_op(
+    "asynctp::all_gather_contract",
+    mutates_args=(),
+    schema="(Tensor x_shard, Tensor[] gs, int gather_dim, str group_name, str strategy) -> Tensor[]",
+)
+def _all_gather_contract_op(x_shard, gs, gather_dim, group_name, strategy):
+    """all_gather_contract for torch.compile (asynctp.nn's wgrad when traced)."""
+    return all_gather_contract(x_shard, list(gs), gather_dim, group_name, strategy)
+
+
+@_all_gather_contract_op.register_fake
+def _(x_shard, gs, gather_dim, group_name, strategy):
+    return [x_shard.new_empty((g.shape[-1], x_shard.shape[-1])) for g in gs]
+
+
 def _rows_like(g: torch.Tensor, lay: GatherLayout) -> torch.Tensor:
     """g [..., R * s, ..., N] as 2-D rows in the order of lay's gathered rows (front order: the
     gather dim moved first, a copy when leading dims have more than one element; batch-major:

@@ -26,6 +26,10 @@ def test_wgrad_contraction(pool):
     assert pool.run(cases_nn.contract_cases, DEVICE)[0] == 12
 
 
+def test_compiled_regather_wgrad(pool):
+    assert pool.run(cases_nn.compiled_regather_matches_eager, DEVICE, timeout=600)[0] == 3
+
+
 def test_bad_inputs(pool):
     messages = pool.run(cases_nn.bad_linear_inputs, DEVICE)
     assert all(m == messages[0] for m in messages)
