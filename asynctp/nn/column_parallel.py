@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from asynctp.nn.precision import Float8Matmuls, resolve_float8
-from asynctp.nn.fused import gather_matmul, matmul_scatter
-from asynctp.ops.all_gather_matmul import all_gather_contract
+from asynctp.nn.fused import gather_contract, gather_matmul, matmul_scatter
 from asynctp.symm import resolve_group
 
 __all__ = ["all_gather_linear", "run_all_gather_linear"]
@@ -183,28 +182,17 @@ def _dgrad(config: _Config, grad_outs: tuple[torch.Tensor, ...], weights: list[t
 
 
 def _wgrad(config: _Config, x_saved: torch.Tensor, grad_outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """grad_w_i = grad_out_i^T @ x_gathered, as [K, N_i] products transposed back."""
+    """grad_w_i = grad_out_i^T @ x_gathered, [N_i, K] each."""
     if config.save_gathered:
         x_2d = x_saved.reshape(-1, x_saved.shape[-1])
         return [g.reshape(-1, g.shape[-1]).t() @ x_2d for g in grad_outs]
     x_shard, dim = x_saved, config.dim
     if dim != x_shard.ndim - 1:
         # x re-gathered along rows, each block contracted with the matching grad rows into [N_i, K]
-        if torch.compiler.is_compiling():
-            return list(torch.ops.asynctp.all_gather_contract(x_shard, list(grad_outs), dim, config.group_name,
-                                                              config.strategy))
-        return all_gather_contract(x_shard, list(grad_outs), dim, config.group_name, config.strategy)
-    if dim == x_shard.ndim - 1:
-        # x gathered along K: x_gathered^T [K, M] stacks the ranks' [k, M] blocks (row mode)
-        x_t = x_shard.reshape(-1, x_shard.shape[-1]).t()
-        grads_2d = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
-        gather_dim = 0
-    else:
-        # x gathered along rows: x_gathered^T [K, R * m] is the ranks' [K, m] blocks side by side
-        # (gather along the last dim, accumulated in fp32 as the blocks arrive); grad rows are put
-        # in the same order by moving the gather dim first
-        x_t = x_shard.movedim(dim, 0).reshape(-1, x_shard.shape[-1]).t()
-        grads_2d = [g.movedim(dim, 0).reshape(-1, g.shape[-1]) for g in grad_outs]
-        gather_dim = 1
-    _, wgrads_t = gather_matmul(x_t, grads_2d, gather_dim, config.group_name, False, [None] * len(grads_2d), config.strategy)
+        return gather_contract(x_shard, list(grad_outs), dim, config.group_name, config.strategy)
+    # x gathered along K: x_gathered^T [K, M] stacks the ranks' [k, M] blocks (row mode); the
+    # [K, N_i] products are transposed back
+    x_t = x_shard.reshape(-1, x_shard.shape[-1]).t()
+    grads_2d = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
+    _, wgrads_t = gather_matmul(x_t, grads_2d, 0, config.group_name, False, [None] * len(grads_2d), config.strategy)
     return [w.t() for w in wgrads_t]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
+from asynctp.ops.all_gather_matmul import all_gather_contract
 
-__all__ = ["gather_matmul", "matmul_scatter"]
+__all__ = ["gather_matmul", "matmul_scatter", "gather_contract"]
 
 
 def gather_matmul(
@@ -27,3 +28,11 @@ def matmul_scatter(
     if torch.compiler.is_compiling():
         return torch.ops.asynctp.matmul_reduce_scatter(a, b, dim, group_name, "sum", bias, strategy)
     return matmul_reduce_scatter(a, b, dim, group_name, bias=bias, strategy=strategy)
+
+
+def gather_contract(
+    x_shard: torch.Tensor, gs: list[torch.Tensor], dim: int, group_name: str, strategy: str
+) -> list[torch.Tensor]:
+    if torch.compiler.is_compiling():
+        return list(torch.ops.asynctp.all_gather_contract(x_shard, gs, dim, group_name, strategy))
+    return all_gather_contract(x_shard, gs, dim, group_name, strategy)

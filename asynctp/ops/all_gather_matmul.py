@@ -152,17 +152,12 @@ def _consume_k_blocks(
     """Gather along K: rank r's block [M, k] multiplies rows r*k:(r+1)*k of b; products are
     accumulated in fp32 (one rounding at the end, with the bias, as one GEMM would)."""
     k = lay.shard_2d.shape[1]
-    acc_dtype = torch.float64 if lay.shard_2d.dtype == torch.float64 else torch.float32
-    accs = [lay.shard_2d.new_zeros((lay.m, b.shape[1]), dtype=acc_dtype) for b in bs]
+    accs = _sums(lay.shard_2d, [(lay.m, b.shape[1]) for b in bs])
 
     def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
         hi = lo + blocks[0].shape[0]
         for acc, b in zip(accs, bs):
-            block = b[src * k : (src + 1) * k]
-            if acc.dtype == blocks[0].dtype:
-                acc[lo:hi].addmm_(blocks[0], block)
-            else:
-                acc[lo:hi].add_(torch.mm(blocks[0], block))
+            _add_product(acc[lo:hi], blocks[0], b[src * k : (src + 1) * k])
 
     # one stream: the accumulators are shared by every step
     _gather(ws, lay, rows, consume, splits, False, False, ring)
@@ -243,23 +238,31 @@ def _rows_like(g: torch.Tensor, lay: GatherLayout) -> torch.Tensor:
 def _contract(ws: Workspace | Any, lay: GatherLayout, gs: list[torch.Tensor], splits: int, ring: bool = False):
     g_rows = [_rows_like(g, lay) for g in gs]
     k = lay.shard_2d.shape[1]
-    acc_dtype = torch.float64 if lay.shard_2d.dtype == torch.float64 else torch.float32
-    accs = [lay.shard_2d.new_zeros((g.shape[1], k), dtype=acc_dtype) for g in g_rows]
-    fp32_out = lay.shard_2d.is_cuda and lay.shard_2d.dtype in (torch.bfloat16, torch.float16)
+    accs = _sums(lay.shard_2d, [(g.shape[1], k) for g in g_rows])
 
     def consume(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
         for off, row, count in lay.out_runs(src, lo, blocks[0].shape[0]):
-            x_run = blocks[0][off : off + count]
             for acc, g in zip(accs, g_rows):
-                g_t = g[row : row + count].t()
-                if acc.dtype == x_run.dtype:
-                    acc.addmm_(g_t, x_run)
-                elif fp32_out:  # the GEMM accumulates into the float32 sums itself
-                    torch.addmm(acc, g_t, x_run, out_dtype=acc.dtype, out=acc)
-                else:
-                    acc.add_(torch.mm(g_t, x_run))
+                _add_product(acc, g[row : row + count].t(), blocks[0][off : off + count])
 
     rows = lay.new_rows(k) if ring else None
     # one stream: the accumulators are shared by every step
     _gather(ws, lay, rows, consume, splits, False, False, ring)
     return [acc.to(lay.shard_2d.dtype) for acc in accs]
+
+
+def _sums(like: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Zeroed sums of products of `like`'s dtype: float32 (float64 for float64)."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return [like.new_zeros(shape, dtype=dtype) for shape in shapes]
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b. On CUDA a bf16 / fp16 GEMM writes the float32 sum itself (one rounding at the
+    end); elsewhere a product in a's dtype is added (rounded once more per block)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))

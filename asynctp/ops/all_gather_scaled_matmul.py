@@ -86,17 +86,16 @@ def all_gather_scaled_matmul_with_scale(
     group: Any,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    use_fast_accum: bool = False,
     strategy: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """all_gather_scaled_matmul(return_a=True) with a rowwise a_scale that also returns the
     gathered scale, which its gather moves anyway: (a_gathered, a_scale_gathered, outs), the
     scale shaped a_gathered.shape[:-1] + (1,). Internal (asynctp.nn's fp8 row-parallel backward
     dequantizes the gathered output grad with it, instead of all-gathering the scales again);
-    eager only, a gather dim other than the last."""
+    eager only, a gather dim other than the last, no bias, no fast accumulation."""
     pg = resolve_group(group)
     checked = check_all_gather_scaled_matmul(
-        a_shard, bs, a_scale, b_scales, gather_dim, pg.size(), out_dtype, None, use_fast_accum, True, strategy
+        a_shard, bs, a_scale, b_scales, gather_dim, pg.size(), out_dtype, None, False, True, strategy
     )
     dim, bs, b_scales, biases, rowwise = checked
     if not rowwise or dim == a_shard.ndim - 1:
@@ -105,7 +104,7 @@ def all_gather_scaled_matmul_with_scale(
     if not eager_call_ok(a_shard, a_scale, *bs, *b_scales):
         raise ValueError("all_gather_scaled_matmul_with_scale requires eager plain tensors without autograd "
                          "(it has no custom op for torch.compile)")
-    a_gathered, outs = _run(a_shard, a_scale, checked, pg, out_dtype, use_fast_accum, True, strategy, return_scale=True)
+    a_gathered, outs = _run(a_shard, a_scale, checked, pg, out_dtype, False, True, strategy, return_scale=True)
     return a_gathered, outs[-1], list(outs[:-1])
 
 
