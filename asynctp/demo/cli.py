@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serial-baseline", action="store_true",
                         help="add a run: asynctp's styles with strategy='serial' (each collective, then its matmul: same "
                              "numerics and fp8 recipe, nothing overlapped), and compare asynctp with it too")
+    parser.add_argument("--no-comm-baseline", action="store_true",
+                        help="add a run: vanilla TP with every collective skipped (a fake process group: wrong losses, "
+                             "the same compute and host work): vanilla's step time minus this run's is the communication "
+                             "vanilla TP leaves exposed, and asynctp's share of it is reported")
     parser.add_argument("--control", action="store_true",
                         help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # torch's async-TP run goes last: it switches inductor's micro-pipeline pass on for the process
     variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]]
-    variants += [VARIANTS[name] for name, on in (("asynctp-serial", args.serial_baseline), ("control", args.control),
+    variants += [VARIANTS[name] for name, on in (("asynctp-serial", args.serial_baseline),
+                                                 ("no-comm", args.no_comm_baseline), ("control", args.control),
                                                  ("asynctp-pass", args.asynctp_pass),
                                                  ("torch-async-tp", args.torch_async_tp)) if on]
     print(f"asynctp demo: model {model_name} ({cfg.num_params() / 1e6:.1f}M params), {world} ranks over "
@@ -257,12 +262,21 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
         line = f"{name} vs {base}: speed-up {c['speedup']:.2f}x"
         if losses:
             line += f", loss curves max rel diff {c['max_rel_loss_diff']:.2e}"
+        if "recovered_fraction_of_comm_cost" in c:
+            line += (f", recovered {c['recovered_fraction_of_comm_cost'] * 100:.0f}% of the "
+                     f"{c['vanilla_comm_cost_ms']:.1f} ms/step that communication costs {base} (step time minus "
+                     f"the no-communication run's)")
         if "recovered_fraction_of_exposed_comm" in c:
             line += (f", recovered {c['recovered_fraction_of_exposed_comm'] * 100:.0f}% of {base}'s "
-                     f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication")
+                     f"{c['vanilla_exposed_comm_ms']:.1f} ms/step exposed communication (profiled kernels)")
         return line
 
-    compared = {r["name"]: comparison(runs[0], r) for r in runs[1:]}
+    no_comm = next((r for r in runs if r.get("no_comm")), None)
+    compared = {r["name"]: comparison(runs[0], r, no_comm) for r in runs[1:] if r is not no_comm}
+    if no_comm is not None:
+        cost = (runs[0]["step_time_s"] - no_comm["step_time_s"]) * 1000
+        print(f"{no_comm['name']}: {no_comm['step_time_s'] * 1000:.1f} ms a step, so communication costs "
+              f"{runs[0]['name']} {cost:.1f} ms a step")
     for name, c in compared.items():
         if "1-ulp" in name:  # the control: only its loss curve means anything
             print(f"{name} vs {runs[0]['name']} (control: rounding alone): loss curves max rel diff "

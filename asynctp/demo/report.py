@@ -26,7 +26,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         # the host's share: near the step time, the GPU waited for Python (host-bound)
         ("host time", lambda r: f"{r['host_time_s'] * 1000:.1f} ms" if r.get("host_time_s") is not None else "-"),
         ("peak memory", _memory),
-        ("final loss", lambda r: f"{r['final_loss']:.4f}"),
+        ("final loss", lambda r: "- (no comm)" if r.get("no_comm") else f"{r['final_loss']:.4f}"),
     ]
     if any(r.get("profile") for r in runs):
         rows.append(("exposed comm", lambda r: f"{r['profile']['exposed_comm_ms']:.1f} ms/step" if r.get("profile") else "-"))
@@ -40,9 +40,11 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def comparison(vanilla: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """Speed-up, loss-curve agreement and (with a profile) the share of vanilla's exposed
-    communication that the other run recovered."""
+def comparison(vanilla: dict[str, Any], other: dict[str, Any], no_comm: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Speed-up, loss-curve agreement and the share of vanilla's exposed communication that the
+    other run recovered: measured by the no-communication run when there is one (vanilla's step
+    time minus that run's: what communication costs vanilla TP in step time, waits, skew and
+    host work included), and by the profile (kernel intervals) when there is one."""
     diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(vanilla["losses"], other["losses"])]
     out: dict[str, Any] = {
         "speedup": vanilla["step_time_s"] / other["step_time_s"],
@@ -53,6 +55,11 @@ def comparison(vanilla: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
     if exposed:
         out["vanilla_exposed_comm_ms"] = exposed
         out["recovered_fraction_of_exposed_comm"] = out["step_time_saved_ms"] / exposed
+    if no_comm is not None:
+        floor = (vanilla["step_time_s"] - no_comm["step_time_s"]) * 1000
+        out["vanilla_comm_cost_ms"] = floor
+        if floor > 0:
+            out["recovered_fraction_of_comm_cost"] = out["step_time_saved_ms"] / floor
     return out
 
 
@@ -87,7 +94,8 @@ def write_png(path: Path, runs: list[dict[str, Any]], title: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'asynctp[demo]')"
     fig, ax = plt.subplots(figsize=(7, 4))
-    for run, style in zip(runs, ("-", "--", ":")):
+    shown = [r for r in runs if not r.get("no_comm")]  # its losses come from skipped collectives
+    for run, style in zip(shown, ("-", "--", ":", "-.")):
         ax.plot(range(1, len(run["losses"]) + 1), run["losses"], style, label=run["name"])
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")

@@ -33,6 +33,11 @@ class Variant:
     perturb_init: bool = False
     asynctp_pass: bool = False  # torch.compile with asynctp's FX pass (asynctp.compile) on vanilla styles
     strategy: str = "auto"  # asynctp's styles: the fused ops' strategy ("serial": nothing overlapped)
+    # every collective skipped (the plan runs over a fake process group of the same ranks): wrong
+    # numbers, the right compute and host work. Its step time is what the plan would take if
+    # communication were free, so vanilla TP's step time minus it is the communication vanilla
+    # TP leaves exposed, the ceiling of what any overlap can win (issue 5's yardstick)
+    no_comm: bool = False
 
 
 VARIANTS = {
@@ -45,6 +50,7 @@ VARIANTS = {
     "torch-async-tp": Variant("torch async TP (compiled)", asynchronous=False, torch_async_tp=True),
     "control": Variant("vanilla TP, 1-ulp init change", asynchronous=False, perturb_init=True),
     "asynctp-pass": Variant("vanilla TP + asynctp pass (compiled)", asynchronous=False, asynctp_pass=True),
+    "no-comm": Variant("vanilla TP, no communication", asynchronous=False, no_comm=True),
 }
 
 
@@ -81,6 +87,7 @@ class RunResult:
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
     graph_calls: dict[str, int] | None = None  # pipelined calls run eagerly / captured / replayed
     graph_calls_last_step: dict[str, int] | None = None  # the same, of the last step alone
+    no_comm: bool = False  # the collectives were skipped: its losses mean nothing
 
 
 def train(
@@ -170,7 +177,7 @@ class _Run:
             self.model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda"
         )
         self.data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
-        self.result = RunResult(variant.name)
+        self.result = RunResult(variant.name, no_comm=variant.no_comm)
         self.result.graph_calls = {"eager": 0, "captured": 0, "replayed": 0}
 
     def step(self, step: int) -> tuple[float, float]:
@@ -222,6 +229,8 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
         _nudge_one_weight(model)
     float8 = settings.float8 if variant.asynchronous else None
     save = settings.save_gathered_input and float8 is None
+    if variant.no_comm:
+        mesh = _fake_mesh(mesh)
     parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous,
                 share_gathers=settings.share_gathers, strategy=variant.strategy)
     if variant.torch_async_tp:
@@ -241,6 +250,29 @@ def _nudge_one_weight(model: torch.nn.Module) -> None:
     w = next(p for p in model.parameters() if p.dim() == 2)
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
     w.view(-1)[:1].view(bits).add_(1)
+
+
+_FAKE_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _fake_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The same ranks as the 1-D `mesh`, over a fake process group: its collectives return at once
+    without communicating (some releases copy the local input into every chunk: a local copy, no
+    peer). Made once per process (new_group is collective: every rank builds its runs in the same
+    order)."""
+    import torch.distributed as dist
+
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    key = (mesh.device_type, ranks)
+    if key not in _FAKE_MESHES:
+        try:  # registers the "fake" backend (torch's own test helper)
+            import torch.testing._internal.distributed.fake_pg  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - every supported release has it
+            raise RuntimeError(f"the no-communication baseline requires torch's fake process group, "
+                               f"got an import error: {exc}") from exc
+        group = dist.new_group(ranks=list(ranks), backend="fake")
+        _FAKE_MESHES[key] = DeviceMesh.from_group(group, mesh.device_type)
+    return _FAKE_MESHES[key]
 
 
 def _enable_torch_async_tp(mesh: DeviceMesh) -> None:
@@ -306,4 +338,5 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "profile": result.profile,
         **({"fusion_report": result.fusion} if result.fusion else {}),
         "world_size": world_size,
+        **({"no_comm": True} if result.no_comm else {}),
     }

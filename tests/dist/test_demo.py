@@ -3,6 +3,8 @@ both runs, the table, and the JSON record with identical float32 loss curves."""
 
 import json
 
+import pytest
+
 from asynctp.cli import main
 
 
@@ -86,3 +88,23 @@ def test_demo_batch_size_flag(tmp_path, capsys):
     capsys.readouterr()
     assert main(["demo", "--cpu", "--batch-size", "0"]) == 2
     assert "--batch-size requires a positive number, got 0" in capsys.readouterr().err
+
+
+def test_demo_no_comm_baseline_skips_the_collectives(tmp_path, capsys):
+    """--no-comm-baseline adds vanilla TP over a fake process group: its collectives do not
+    communicate (its losses part from vanilla's at once), it is left out of the loss comparisons
+    and the PNG, and every other run is credited against vanilla's step time minus its own."""
+    assert main(["demo", "--cpu", "--steps", "3", "--no-comm-baseline", "--interleave", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "vanilla TP, no communication:" in printed and "so communication costs vanilla TP" in printed
+    (path,) = tmp_path.glob("demo_2xcpu_*.json")
+    record = json.loads(path.read_text())
+    runs = {r["name"]: r for r in record["runs"]}
+    assert list(runs) == ["vanilla TP", "asynctp", "vanilla TP, no communication"]
+    assert runs["vanilla TP, no communication"]["no_comm"] is True
+    assert runs["vanilla TP, no communication"]["losses"][0] != runs["vanilla TP"]["losses"][0]
+    assert list(record["comparison"]) == ["asynctp"]
+    c = record["comparison"]["asynctp"]
+    cost = (runs["vanilla TP"]["step_time_s"] - runs["vanilla TP, no communication"]["step_time_s"]) * 1000
+    assert c["vanilla_comm_cost_ms"] == pytest.approx(cost)
+    assert c["max_rel_loss_diff"] <= 1e-5
