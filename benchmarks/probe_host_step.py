@@ -3,6 +3,9 @@ profiled with cProfile over a few warm steps (after CUDA-graph captures settled)
 
     python benchmarks/probe_host_step.py OUT_DIR [vanilla:none asynctp:rowwise asynctp:tensorwise asynctp:none ...]
 
+A third field `compile` (`vanilla:none:compile`, `torch-async-tp:none:compile`) compiles the model
+as the demo's --compile does; PROBE_BATCH=B sets the sequences per step (default: the model's).
+
 Writes OUT_DIR/host_<variant>_<recipe>.txt (pstats, top functions by own and cumulative time)
 and prints the host / step time per variant; then, with a CUDA-only torch profiler over the same
 number of steps, OUT_DIR/kernels_<variant>_<recipe>.txt: device time per step by kernel category
@@ -28,6 +31,8 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
 
     from asynctp.demo.data import MarkovTokens
     from asynctp.demo.model import SIZES
+    import dataclasses
+
     from asynctp.demo.train import VARIANTS, TrainSettings, _build, _queue_step
 
     torch.cuda.set_device(rank)
@@ -36,12 +41,18 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
                             timeout=timedelta(seconds=300))
     mesh = init_device_mesh("cuda", (world,))
     cfg = SIZES["8b-block"]
+    if os.environ.get("PROBE_BATCH"):
+        cfg = dataclasses.replace(cfg, batch_size=int(os.environ["PROBE_BATCH"]))
     for spec in specs:
-        name, recipe = spec.split(":")
-        settings = TrainSettings(cfg=cfg, steps=1, dtype=torch.bfloat16, lr=1e-4, float8=None if recipe == "none" else recipe)
+        name, recipe, *mode = spec.split(":")
+        settings = TrainSettings(cfg=cfg, steps=1, dtype=torch.bfloat16, lr=1e-4, float8=None if recipe == "none" else recipe,
+                                 compile=mode == ["compile"])
+        if name == "torch-async-tp":
+            import torch._inductor.config as inductor_config
         model = _build(VARIANTS[name], settings, mesh, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         data = MarkovTokens(cfg.vocab_size, seed=0)
+        tag = spec.replace(":", "_")
 
         def step() -> tuple[float, float]:
             tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
@@ -66,14 +77,24 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
             stats = pstats.Stats(prof, stream=text)
             stats.sort_stats("tottime").print_stats(40)
             stats.sort_stats("cumulative").print_stats(60)
-            with open(os.path.join(out_dir, f"host_{name}_{recipe}.txt"), "w") as f:
+            with open(os.path.join(out_dir, f"host_{tag}.txt"), "w") as f:
                 f.write(f"{spec}: unprofiled host / step ms per step: {[(round(h * 1e3, 1), round(s * 1e3, 1)) for h, s in plain]}\n")
                 f.write(text.getvalue())
             print(f"{spec}: host {sorted(h for h, _ in plain)[2] * 1e3:.1f} ms, step {sorted(s for _, s in plain)[2] * 1e3:.1f} ms", flush=True)
-        kernel_breakdown(step, rank, os.path.join(out_dir, f"kernels_{name}_{recipe}.txt"), spec)
+        kernel_breakdown(step, rank, os.path.join(out_dir, f"kernels_{tag}.txt"), spec)
         if os.environ.get("PROBE_OPS"):  # which ops (and shapes) launch the copies and elementwise kernels
-            ops_by_shape(step, rank, os.path.join(out_dir, f"ops_{name}_{recipe}.txt"))
+            ops_by_shape(step, rank, os.path.join(out_dir, f"ops_{tag}.txt"))
+        if os.environ.get("PROBE_TRACE") and rank == 0:  # a chrome trace of one step, rank 0
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+            prof.export_chrome_trace(os.path.join(out_dir, f"trace_{tag}.json"))
+        elif os.environ.get("PROBE_TRACE"):
+            step()
         del model, opt
+        if name == "torch-async-tp":
+            inductor_config._micro_pipeline_tp = False
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
