@@ -16,7 +16,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     demo) step ${DEMO_LIMIT:-200} demo python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --profile ${DEMO_ARGS:-} --out $R ;;
     demofp8) step ${DEMO_LIMIT:-200} demo_fp8 python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --float8 rowwise --out $R/fp8demo ;;
     stuck) step 120 gpu_stuck python3 -m pytest -q -p no:cacheprovider tests/gpu/test_reliability.py -k stuck ;;
-    democompile) step ${DEMO_LIMIT:-400} demo_compiled python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --batch-size ${COMPILE_BS:-1} --compile ${DEMOC_ARGS:---asynctp-pass --torch-async-tp --profile} --out $R/compiled ;;
+    democompile) for spec in ${COMPILE_SPECS:-1:1:--asynctp-pass,--torch-async-tp,--profile}; do IFS=: read -r bs graphs extra <<< "$spec"; ASYNCTP_GRAPHS=$graphs step ${DEMO_LIMIT:-400} demo_compiled_b${bs}_graphs$graphs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --batch-size $bs --compile ${extra//,/ } --out $R/compiled_b${bs}_graphs$graphs; done ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     ringp2p) for op in all_gather_matmul matmul_reduce_scatter; do NCCL_P2P_DISABLE=1 ASYNCTP_DISABLE_SYMM=1 step 120 bench_nop2p_$op python3 -m asynctp.cli bench --op $op --shapes seed --hardware ${HW:-2xH200}-noP2P --out $R; done ;;
     tests8) step ${T8_LIMIT:-200} gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
