@@ -432,6 +432,56 @@ def gather_calls_per_forward(device: str, share_gathers: bool) -> int:
     return len(calls)
 
 
+def compiled_styles_share_gathers(device: str) -> int:
+    """The async plan with shared gathers under torch.compile(fullgraph=True): no graph break, the
+    same loss and grads as the unsharded model, and at run time exactly the fused calls eager
+    makes (wq / wk / wv and w1 / w3 share one gather each; before, compiled members each gathered
+    for themselves and the small ones ran serially). Returns the gather calls of one step."""
+    import copy
+    import sys
+
+    import torch._dynamo
+
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.model import Transformer
+    from asynctp.demo.plan import parallelize
+
+    module = sys.modules["asynctp.ops.all_gather_matmul"]  # the package re-exports a function of that name
+    cfg = _test_config()
+    torch.manual_seed(0)
+    with torch.device(device):
+        ref = Transformer(cfg)
+    tokens = MarkovTokens(cfg.vocab_size, seed=3).batch(cfg.batch_size, cfg.seq_len).to(device)
+    ref_loss = F.cross_entropy(ref(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    ref_loss.backward()
+    counts = {}
+    original = module._run
+    for mode in ("eager", "compiled"):
+        model = parallelize(copy.deepcopy(ref), _mesh(device), True, share_gathers=True)
+        model.zero_grad(set_to_none=True)
+        calls = []
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True) if mode == "compiled" else model
+        module._run = counting
+        try:
+            loss = _forward_backward(run, tokens)
+        finally:
+            module._run = original
+        counts[mode] = len(calls)
+        assert abs(loss - ref_loss.item()) <= 1e-5, f"{mode}: loss {loss} vs {ref_loss.item()}"
+        params = dict(model.named_parameters())
+        for name, p_ref in ref.named_parameters():
+            torch.testing.assert_close(_full(params[name].grad), p_ref.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{mode} {name}: {m}")
+    assert counts["compiled"] == counts["eager"], counts
+    return counts["compiled"]
+
+
 def shared_gather_misuse(device: str) -> str:
     import pytest
     from torch import nn

@@ -92,7 +92,7 @@ def _make_forward(style: AsyncColwiseParallel, mesh: DeviceMesh):
         return run_all_gather_linear(group_name, world_size, x_shard, weights, biases, gather_dim=dim, **options)
 
     def forward(module: nn.Linear, x: Any) -> Any:
-        if shared is None or torch.compiler.is_compiling():
+        if shared is None:
             out = linears([module], x)[0]
         else:
             out = shared.take(module, x)

@@ -5,7 +5,11 @@ The first member called with an input computes every member's output in one
 all_gather_linear([w_a, w_b, ...]); the others, called next with the same input object, take
 theirs. An input that is a different object (or a member called twice) starts a new round, so
 a model that does not call every member, or calls them in another order, stays correct; it only
-loses the sharing. Not used while torch.compile traces (each member then gathers for itself).
+loses the sharing. Under torch.compile dynamo traces the rounds like any Python state (the
+members' outputs of a round are kept on this object between the calls), so a compiled model
+shares as an eager one does: one fused call per group, not one per member (the members' own
+calls had run the small wk / wv ones serially, with layout copies: 8 serial gathers and 8
+serial reduce-scatters a step in the compiled 8B block at batch 2, 2xH200).
 """
 
 from __future__ import annotations

@@ -33,5 +33,10 @@ def test_shared_gather_calls(pool, share, expected):
     assert pool.run(cases_nn.gather_calls_per_forward, DEVICE, share)[0] == expected
 
 
+def test_compiled_styles_share_gathers(pool):
+    # per block: the shared wq/wk/wv and w1/w3 gathers forward, the wo and w2 dgrad gathers backward; the head
+    assert pool.run(cases_nn.compiled_styles_share_gathers, DEVICE, timeout=600)[0] == 2 * 4 + 1
+
+
 def test_shared_gather_misuse(pool):
     pool.run(cases_nn.shared_gather_misuse, DEVICE)
