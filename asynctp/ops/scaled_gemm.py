@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from asynctp.config import warn_once
 from asynctp.ops.layout import GatherLayout, ScatterLayout
 from asynctp.ops.reference import reduce_scatter_product
-from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, expand_cols, expand_rows
+from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, cpu_scaled_mm_takes_vectors, expand_cols, expand_rows
 
 __all__ = [
     "scaled_mm",
@@ -74,6 +75,15 @@ def scaled_mm(
     m, n = a_fp8.shape[0], b_fp8.shape[1]
     a_scale, b_scale = _pair(a_scale, b_scale, m, n)
     rowwise = a_scale.numel() != 1 or b_scale.numel() != 1
+    if rowwise and out_dtype != torch.float32 and a_fp8.device.type == "cpu" and not cpu_scaled_mm_takes_vectors():
+        warn_once("cpu-rowwise-scaled-mm", (
+            f"torch {torch.__version__}'s CPU torch._scaled_mm takes tensorwise scales only: asynctp computes rowwise / "
+            f"per-column scaled fp8 matmuls on CPU as a float32 product with unit scales, then scales, bias and one "
+            f"rounding to {out_dtype} (torch 2.13 runs them directly; the result may differ in the last bit)"))
+        full = scaled_mm(a_fp8, b_fp8, a_scale, b_scale, torch.float32, use_fast_accum=use_fast_accum)
+        if bias is not None:
+            full.add_(bias)
+        return full.to(out_dtype) if out is None else out.copy_(full)
     if out_dtype == torch.float32 and rowwise:
         one = torch.ones((), dtype=torch.float32, device=a_fp8.device)
         out = torch._scaled_mm(a_fp8, b_fp8, one, one, out_dtype=out_dtype, use_fast_accum=use_fast_accum, out=out)

@@ -14,6 +14,7 @@ import asynctp
 
 from asynctp.bench import cases
 from asynctp.bench.measure import BenchConfig, pipelined_strategies, run_benchmark
+from tests.caps import needs_cpu_rowwise
 
 DEVICE = torch.device("cpu")
 
@@ -149,6 +150,7 @@ def test_cli_spawns_ranks_and_writes_results(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(asynctp, "all_gather_scaled_matmul"), reason="asynctp has no fp8 ops yet")
+@needs_cpu_rowwise
 def test_float8_rows_for_both_recipes(pool, tmp_path):
     rows = pool.run(bench_float8, str(tmp_path / "tuning.json"))[0]
     assert sorted({r["op"] for r in rows}) == [

@@ -8,6 +8,7 @@ Two inductor compilations per test and rank: slow on CPU, so few tests."""
 import pytest
 
 from tests import cases_compile
+from tests.caps import needs_cpu_rowwise
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
@@ -33,6 +34,7 @@ def test_compiled_block_batch1_same_loss_and_grads(pool):
     assert got["matmuls"] == [1, 1, 2, 3], got["text"]
 
 
+@needs_cpu_rowwise
 @pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
 def test_compiled_fp8_same_result(pool):
     got = pool.run(cases_compile.compiled_fp8_matches, "cpu", timeout=600)[0]

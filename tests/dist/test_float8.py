@@ -9,21 +9,25 @@ import pytest
 
 from tests import cases_float8 as cases
 from tests.cases import under_env
+from tests.caps import needs_cpu_rowwise
 
 DEVICE = "cpu"
 NUM_GRID_CASES = 4 * 7 * 2  # scale pairings x (ndim, dim) x out dtypes
 
 
+@needs_cpu_rowwise
 @pytest.mark.parametrize("strategy", ["pipeline", "ring", "serial"])  # auto: in the recipes test
 def test_all_gather_scaled_matmul(pool, strategy):
     assert pool.run(cases.all_gather_scaled_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
+@needs_cpu_rowwise
 @pytest.mark.parametrize("strategy", ["pipeline", "ring", "serial"])  # auto: in the recipes test
 def test_scaled_matmul_reduce_scatter(pool, strategy):
     assert pool.run(cases.scaled_matmul_reduce_scatter_grid, DEVICE, strategy)[0] == NUM_GRID_CASES
 
 
+@needs_cpu_rowwise
 @pytest.mark.parametrize("env", [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_SIDE_REDUCE": "0"},
                                  {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"},
                                  {"ASYNCTP_SPLITS": "3", "ASYNCTP_BATCH_MAJOR": "1"}],
@@ -36,17 +40,20 @@ def test_pipeline_plans_match_reference(pool, env):
         assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
 
 
+@needs_cpu_rowwise
 def test_batch_major_ring(pool):
     env = {"ASYNCTP_BATCH_MAJOR": "1"}
     assert pool.run(under_env, env, cases.all_gather_scaled_grid, DEVICE, "ring")[0] == NUM_GRID_CASES
     assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "ring")[0] == NUM_GRID_CASES
 
 
+@needs_cpu_rowwise
 @pytest.mark.parametrize("splits", [None, 3], ids=["whole-chunks", "3-row-blocks"])
 def test_misaligned_scale_slices(pool, splits):
     assert pool.run(cases.alignment_cases, DEVICE, splits)[0] == 8 * 3 * 4 + 2
 
 
+@needs_cpu_rowwise
 def test_gather_that_returns_the_scales(pool):
     assert pool.run(cases.with_scale_cases, DEVICE)[0] == 12
 
@@ -56,10 +63,12 @@ def test_bad_inputs_raise_before_communication(pool):
     assert all(m == messages[0] for m in messages)  # the same error on every rank
 
 
+@needs_cpu_rowwise
 def test_opcheck(pool):
     pool.run(cases.opcheck_ops, DEVICE)
 
 
+@needs_cpu_rowwise
 def test_recipes_sqnr_and_scale_agreement(pool):
     sqnrs = pool.run(cases.recipes, DEVICE)
     assert min(min(r.values()) for r in sqnrs) >= 25

@@ -4,6 +4,8 @@ needed) carry the device the check keys on; no op runs and no group is needed.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,3 +68,38 @@ def test_cuda_takes_any_m():
             _ag(m, 16, 16 * R, 32, 1)
             _rs(m * R, 16, 32, 0)
             _rs(m, 16, 16 * R, -1)
+
+
+
+def test_cpu_rowwise_without_torch_support_is_computed_with_a_warning(monkeypatch):
+    """A torch whose CPU torch._scaled_mm takes tensorwise scales only (2.11): asynctp's scaled
+    GEMM computes rowwise / per-column scaled products on CPU itself (fp32 with unit scales,
+    then the scales and the bias, one rounding), warns once, and gives the dequantized product
+    (exact here: small integers, power-of-two scales)."""
+    import warnings
+
+    import asynctp.config as config
+    import asynctp.ops.scaled_gemm as scaled_gemm
+    import asynctp.ops.scales as scales
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-4, 5, (6, 16), generator=gen).to(E4M3)
+    b = torch.randint(-4, 5, (8, 16), generator=gen).to(E4M3).t()
+    rows = 2.0 ** torch.randint(-3, 3, (6, 1), generator=gen).float()
+    cols = 2.0 ** torch.randint(-3, 3, (1, 8), generator=gen).float()
+    bias = torch.randint(-4, 5, (8,), generator=gen).to(torch.bfloat16)
+    want = ((a.float() @ b.float()) * rows * cols + bias.float()).to(torch.bfloat16)
+
+    monkeypatch.setattr(scaled_gemm, "cpu_scaled_mm_takes_vectors", lambda: False)
+    monkeypatch.setattr(config, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=re.escape(f"torch {torch.__version__}'s CPU torch._scaled_mm takes tensorwise")):
+        got = scaled_gemm.scaled_mm(a, b, rows, cols, torch.bfloat16, bias=bias)
+    assert torch.equal(got, want)
+    out = torch.empty(6, 8, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert scaled_gemm.scaled_mm(a, b, rows, torch.ones(()), torch.bfloat16, out=out) is out
+    assert not caught, "warned twice"
+    assert torch.equal(out, ((a.float() @ b.float()) * rows).to(torch.bfloat16))
+    if scales.cpu_scaled_mm_takes_vectors():  # torch's own kernel where it has one
+        assert torch.equal(torch._scaled_mm(a, b, rows, cols, bias=bias, out_dtype=torch.bfloat16), want)
