@@ -27,12 +27,13 @@ import torch.multiprocessing as mp
 
 
 def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
+    import dataclasses
+
+    import torch._inductor.config
     from torch.distributed.device_mesh import init_device_mesh
 
     from asynctp.demo.data import MarkovTokens
     from asynctp.demo.model import SIZES
-    import dataclasses
-
     from asynctp.demo.train import VARIANTS, TrainSettings, _build, _queue_step
 
     torch.cuda.set_device(rank)
@@ -47,8 +48,6 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
         name, recipe, *mode = spec.split(":")
         settings = TrainSettings(cfg=cfg, steps=1, dtype=torch.bfloat16, lr=1e-4, float8=None if recipe == "none" else recipe,
                                  compile=mode == ["compile"])
-        if name == "torch-async-tp":
-            import torch._inductor.config as inductor_config
         model = _build(VARIANTS[name], settings, mesh, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         data = MarkovTokens(cfg.vocab_size, seed=0)
@@ -93,8 +92,7 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
         elif os.environ.get("PROBE_TRACE"):
             step()
         del model, opt
-        if name == "torch-async-tp":
-            inductor_config._micro_pipeline_tp = False
+        torch._inductor.config._micro_pipeline_tp = False  # _build switched it on for torch-async-tp specs
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()

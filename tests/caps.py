@@ -2,7 +2,7 @@
 
 import pytest
 
-from asynctp.ops.scales import cpu_scaled_mm_takes_vectors
+from asynctp.ops.scaled_gemm import cpu_scaled_mm_takes_vectors
 
 # torch 2.11's CPU torch._scaled_mm takes tensorwise scales only (2.13's takes rowwise and
 # per-column ones too): the CPU tests of rowwise fp8 compute their references with it, so they

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from asynctp.compile import fresh_compiles  # noqa: F401  (tests call it as cases_compile.fresh_compiles)
+
 FAKE_WORLD = 2
 
 
@@ -80,17 +82,6 @@ def output_shapes(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
         val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
         vals.append(tuple(val.shape) if isinstance(val, torch.Tensor) else None)
     return vals
-
-
-@contextlib.contextmanager
-def fresh_compiles() -> Iterator[None]:
-    """No inductor / AOTAutograd cache hits: a graph loaded from a cache is not rewritten (nor
-    reported) again, so a test that reads the fusion report must compile afresh."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        yield
 
 
 # --- rank side: a tiny sequence-parallel block under DTensor styles -----------------------------

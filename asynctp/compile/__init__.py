@@ -9,7 +9,7 @@ with asynctp's fused ops, and report what was (not) fused and why.
 Not public: the modules patterns, rewrite, graph_pass, report (import from here).
 """
 
-from asynctp.compile.graph_pass import AsyncTPPass, disable, enable, enabled, fusion_report
+from asynctp.compile.graph_pass import AsyncTPPass, disable, enable, enabled, fresh_compiles, fusion_report
 from asynctp.compile.report import CollectiveRecord, FusionReport, GraphReport, UnfusedCollectiveError
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "enabled",
     # what it did
     "fusion_report",
+    "fresh_compiles",
     "FusionReport",
     "GraphReport",
     "CollectiveRecord",

@@ -139,6 +139,17 @@ def enabled(fail_if_unfused: bool = False) -> Iterator[AsyncTPPass]:
         inductor_config.post_grad_custom_post_pass = was
 
 
+@contextlib.contextmanager
+def fresh_compiles() -> Iterator[None]:
+    """No inductor / AOTAutograd cache hits inside the block: a graph loaded from a cache is not
+    rewritten (nor reported) again, so whoever reads fusion_report() afterwards must compile
+    afresh (a warm cache otherwise reports "0 graph(s)" for graphs that are fused)."""
+    import torch._functorch.config as functorch_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
 def fusion_report(clear: bool = False) -> FusionReport:
     """What the pass did to every graph compiled in this process (clear=True: then forget it).
 

@@ -97,17 +97,12 @@ def train(
     """Train a fresh model for settings.steps steps; on_step(step, loss, seconds) after each."""
     with contextlib.ExitStack() as stack:
         if variant.asynctp_pass:  # graphs compile lazily, at the first forward and backward
-            import torch._functorch.config as functorch_config
-            import torch._inductor.config as inductor_config
-
-            from asynctp.compile import enabled, fusion_report
+            from asynctp.compile import enabled, fresh_compiles, fusion_report
 
             stack.enter_context(enabled())
-            # a graph loaded from inductor's or AOTAutograd's cache (an earlier run of the same
-            # model, this process or another) is not rewritten again, so the report would say
-            # "0 graph(s)" although the loaded graph is the fused one: compile afresh
-            stack.enter_context(inductor_config.patch(fx_graph_cache=False))
-            stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+            # graphs of an earlier run of the same model (this process or another) would load
+            # from the caches unrewritten and unreported
+            stack.enter_context(fresh_compiles())
             fusion_report(clear=True)
         result = _train(variant, settings, mesh, device, on_step)
         if variant.asynctp_pass:

@@ -15,13 +15,15 @@ _scaled_mm's limits handled here (the same on CPU and CUDA, so CI runs the CUDA 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from asynctp.config import warn_once
 from asynctp.ops.layout import GatherLayout, ScatterLayout
 from asynctp.ops.reference import reduce_scatter_product
-from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, cpu_scaled_mm_takes_vectors, expand_cols, expand_rows
+from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, expand_cols, expand_rows
 
 __all__ = [
     "scaled_mm",
@@ -54,6 +56,19 @@ def _rows_padded(a_fp8: torch.Tensor, a_scale: torch.Tensor) -> tuple[torch.Tens
     scale = torch.ones((m_pad, 1), dtype=torch.float32, device=a_scale.device)
     scale[:m].copy_(a_scale)
     return padded.view(a_fp8.dtype), scale
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_scaled_mm_takes_vectors() -> bool:
+    """Whether this torch's CPU torch._scaled_mm takes rowwise / per-column scales. 2.13's does;
+    2.11's asserts that both scales have one element ("only supports per-tensor scaling for CPU
+    backend"); scaled_mm then computes such products itself (with a warning)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def scaled_mm(

@@ -14,7 +14,6 @@ Messages read "<argument> requires <what>, got <what was given>".
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +33,6 @@ __all__ = [
     "expand_cols",
     "check_all_gather_scaled_matmul",
     "check_scaled_matmul_reduce_scatter",
-    "cpu_scaled_mm_takes_vectors",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -183,19 +181,6 @@ def _check_cuda_dims(a: torch.Tensor, sizes: Sequence[tuple[str, int]]) -> None:
             raise ValueError(
                 f"{what} requires a multiple of {CUDA_DIM_MULTIPLE} (torch._scaled_mm on CUDA), got {size}"
             )
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_scaled_mm_takes_vectors() -> bool:
-    """Whether this torch's CPU torch._scaled_mm takes rowwise / per-column scales. 2.13's does;
-    2.11's asserts that both scales have one element ("only supports per-tensor scaling for CPU
-    backend"); scaled_gemm.scaled_mm then computes such products itself (with a warning)."""
-    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except RuntimeError:
-        return False
-    return True
 
 
 def check_all_gather_scaled_matmul(

@@ -80,7 +80,6 @@ def test_cpu_rowwise_without_torch_support_is_computed_with_a_warning(monkeypatc
 
     import asynctp.config as config
     import asynctp.ops.scaled_gemm as scaled_gemm
-    import asynctp.ops.scales as scales
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(-4, 5, (6, 16), generator=gen).to(E4M3)
@@ -90,6 +89,7 @@ def test_cpu_rowwise_without_torch_support_is_computed_with_a_warning(monkeypatc
     bias = torch.randint(-4, 5, (8,), generator=gen).to(torch.bfloat16)
     want = ((a.float() @ b.float()) * rows * cols + bias.float()).to(torch.bfloat16)
 
+    takes_vectors = scaled_gemm.cpu_scaled_mm_takes_vectors  # the real probe
     monkeypatch.setattr(scaled_gemm, "cpu_scaled_mm_takes_vectors", lambda: False)
     monkeypatch.setattr(config, "_warned", set())
     with pytest.warns(RuntimeWarning, match=re.escape(f"torch {torch.__version__}'s CPU torch._scaled_mm takes tensorwise")):
@@ -101,5 +101,5 @@ def test_cpu_rowwise_without_torch_support_is_computed_with_a_warning(monkeypatc
         assert scaled_gemm.scaled_mm(a, b, rows, torch.ones(()), torch.bfloat16, out=out) is out
     assert not caught, "warned twice"
     assert torch.equal(out, ((a.float() @ b.float()) * rows).to(torch.bfloat16))
-    if scales.cpu_scaled_mm_takes_vectors():  # torch's own kernel where it has one
+    if takes_vectors():  # torch's own kernel where it has one
         assert torch.equal(torch._scaled_mm(a, b, rows, cols, bias=bias, out_dtype=torch.bfloat16), want)
