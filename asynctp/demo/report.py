@@ -12,11 +12,14 @@ import torch
 __all__ = ["table", "comparison", "write_json", "write_png", "versions"]
 
 
-def _memory(run: dict[str, Any]) -> str:
-    nbytes = run["peak_memory_bytes"]
-    if nbytes is not None:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"n/a ({run.get('peak_memory_missing', 'cpu')})"
+def _memory(field: str) -> Any:
+    def fmt(run: dict[str, Any]) -> str:
+        nbytes = run.get(field)
+        if nbytes is not None:
+            return f"{nbytes / 2**30:.2f} GiB"
+        return f"n/a ({run.get('peak_memory_missing', 'cpu')})"
+
+    return fmt
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -25,7 +28,8 @@ def table(runs: list[dict[str, Any]]) -> str:
         ("step time", lambda r: f"{r['step_time_s'] * 1000:.1f} ms"),
         # the host's share: near the step time, the GPU waited for Python (host-bound)
         ("host time", lambda r: f"{r['host_time_s'] * 1000:.1f} ms" if r.get("host_time_s") is not None else "-"),
-        ("peak memory", _memory),
+        ("peak memory", _memory("peak_memory_bytes")),  # tensors
+        ("peak reserved", _memory("peak_reserved_bytes")),  # what the process held: CUDA-graph pools too
         ("final loss", lambda r: "- (no comm)" if r.get("no_comm") else f"{r['final_loss']:.4f}"),
     ]
     if any(r.get("profile") for r in runs):

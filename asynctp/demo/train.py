@@ -82,7 +82,8 @@ class RunResult:
     # seconds the host took to queue each step (forward, backward, optimizer) before it waited
     # for the loss: close to the step time means the GPU waited for the host (host-bound)
     host_times: list[float] = field(default_factory=list)
-    peak_memory_bytes: int | None = None
+    peak_memory_bytes: int | None = None  # allocated by tensors (torch.cuda.max_memory_allocated)
+    peak_reserved_bytes: int | None = None  # held from the device by torch's allocator, pools included
     profile: dict[str, float] | None = None
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
     graph_calls: dict[str, int] | None = None  # pipelined calls run eagerly / captured / replayed
@@ -116,6 +117,8 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
     run = _Run(variant, settings, mesh, device)
     graphs.clear()  # a run neither reuses nor holds (in its peak memory) an earlier run's graphs
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # the reserved peak then counts this run's memory alone
         torch.cuda.reset_peak_memory_stats(device)
     with _collector_between_steps():
         for step in range(settings.steps):
@@ -124,6 +127,7 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
                 on_step(step, loss, seconds)
     if device.type == "cuda":
         run.result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+        run.result.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
     return run.finish()
 
 
@@ -328,6 +332,7 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "step_time_s": step_time,
         "tokens_per_s": tokens / step_time,
         "peak_memory_bytes": result.peak_memory_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
         **({} if result.peak_memory_bytes is not None else
            {"peak_memory_missing": "interleaved" if settings.interleave else "cpu"}),
         "graph_calls": result.graph_calls,

@@ -29,14 +29,26 @@ quantized afresh at every call did in the fp8 demo) is no longer captured, with 
 capturing costs milliseconds of host time, more than an eager call.
 
 Memory: each graph keeps its intermediates (e.g. the gathered rows, a reduce-scatter's partials)
-and its outputs allocated; at most ASYNCTP_MAX_GRAPHS (default 64) graphs per workspace, least
-recently used dropped first. clear() drops them all.
+and its outputs allocated, in a pool of its own; at most ASYNCTP_MAX_GRAPHS (default 64) graphs per
+workspace, least recently used dropped first. clear() drops them all.
+
+When (ASYNCTP_GRAPHS=auto, the default): a replay saves host time, which is worth something only
+where the GPU waits for the host. Where the GPU runs behind the host (a deep queue: training steps
+of large matmuls), an eager call's host time is hidden and a graph would only hold memory (2xH200,
+8B-shaped block, tenth session: eager step time equal with and without graphs, 129.8 ms at batch
+2, while the graphs took the process's peak reserved memory from 17.6 to 33.9 GiB). So a key is
+captured only at a sighting where the GPU had caught up with the host: work queued more than
+LAG_SECONDS ago is finished (events recorded on the caller's stream, at most one every
+MARK_SECONDS). A key found behind at DECIDE_SIGHTINGS sightings runs eagerly for good (reason
+"gpu-bound"). ASYNCTP_GRAPHS=1 captures every key at its second call (the memory is then paid
+wherever a key recurs); 0 never captures.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -45,11 +57,14 @@ import torch
 from asynctp.config import warn_once
 from asynctp.symm import watchdog
 
-__all__ = ["enabled", "usable", "settings", "tensor_key", "call", "clear", "stats", "GraphCache"]
+__all__ = ["mode", "enabled", "usable", "settings", "tensor_key", "call", "clear", "stats", "GraphCache"]
 
 _ENV = "ASYNCTP_GRAPHS"
 _MAX_ENV = "ASYNCTP_MAX_GRAPHS"
 MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
+LAG_SECONDS = 1e-3  # the GPU is "behind" while work queued this long ago is unfinished
+MARK_SECONDS = 2.5e-4  # at most one lag mark (a CUDA event) this often
+DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
 WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
 _SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent forgotten
@@ -57,8 +72,18 @@ _SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent f
 _use_count = torch._C._storage_Use_Count
 
 
+def mode() -> str:
+    """ASYNCTP_GRAPHS: "auto" (default), "1" (capture every recurring call) or "0" (never)."""
+    raw = os.environ.get(_ENV, "auto").strip().lower()
+    if raw in ("", "0"):
+        return "0"
+    if raw not in ("1", "auto"):
+        raise ValueError(f"{_ENV} requires 0, 1 or auto, got {os.environ.get(_ENV)!r}")
+    return raw
+
+
 def enabled() -> bool:
-    return os.environ.get(_ENV, "1") not in ("0", "")
+    return mode() != "0"
 
 
 def usable(ws: Any) -> bool:
@@ -157,25 +182,60 @@ def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[
     return graph.replay, result
 
 
+class Lag:
+    """How far the GPU runs behind the host: CUDA events recorded on the caller's stream, each with
+    the host time it was recorded at (at most one every MARK_SECONDS, the last 16 kept)."""
+
+    def __init__(self, record: Callable[[Any], Any] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._marks: deque = deque(maxlen=16)  # (host time, event), oldest first
+        self._record = record or _record_event
+        self._clock = clock
+        self._last = float("-inf")
+
+    def mark(self) -> None:
+        now = self._clock()
+        if now - self._last < MARK_SECONDS:
+            return
+        self._last = now
+        event = self._marks.popleft()[1] if len(self._marks) == self._marks.maxlen else None
+        self._marks.append((now, self._record(event)))
+
+    def behind(self) -> bool:
+        """Work queued more than LAG_SECONDS ago is unfinished (the newest mark that old tells)."""
+        now = self._clock()
+        for stamp, event in reversed(self._marks):
+            if now - stamp > LAG_SECONDS:
+                return not event.query()
+        return False  # no mark that old: no sign of a queue
+
+
+def _record_event(event: torch.cuda.Event | None) -> torch.cuda.Event:
+    event = event or torch.cuda.Event()
+    event.record()
+    return event
+
+
 class GraphCache:
     """The captured calls of one workspace (see the module docstring)."""
 
-    def __init__(self, ws: Any, capture: Callable | None = None) -> None:
+    def __init__(self, ws: Any, capture: Callable | None = None, lag: Lag | None = None) -> None:
         self.ws = ws
         self._capture = capture or _cuda_capture
+        self.lag = lag or Lag()
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._calls = 0  # calls through this cache
         self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
+        self._behind: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings behind (auto); DECIDE: eager
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         # why calls ran eagerly: "new key" (its first sighting: inputs at addresses not seen
         # lately), "outputs held" (every graph of the key has outputs the caller still holds, and
         # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
-        # its capture failed)
-        self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0}
+        # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings)
+        self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
 
     def capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -199,6 +259,7 @@ class GraphCache:
         self._seen.clear()
         self._dropped.clear()
         self._off.clear()
+        self._behind.clear()
 
     def _stale(self, shape: tuple) -> int:
         """Graphs of `shape` never replayed although more calls came since their capture than
@@ -219,12 +280,18 @@ class GraphCache:
             self.clear()
             self._generation = ws.generation
         self._calls += 1
+        auto = mode() == "auto"
+        if auto:
+            self.lag.mark()
         entries = self._entries.get(key)
         if entries is not None:
             self._entries.move_to_end(key)
             for entry in entries:
                 if entry.free():
                     return self._replay(entry)
+        elif auto and self._behind.get(key, 0) >= DECIDE_SIGHTINGS:
+            self._behind.move_to_end(key)
+            return self._eager(body, "gpu-bound")
         shape = _strip(key)  # (not on the replay path above: it walks the whole key)
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
@@ -234,10 +301,16 @@ class GraphCache:
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
             reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
-            self.eager_reasons[reason] += 1
-            self.counts["eager"] += 1
-            return body()
+            return self._eager(body, reason)
         self._seen.pop(key, None)
+        if auto and entries is None and self.lag.behind():
+            # an eager call's host time is hidden behind the GPU's queue: no graph (yet)
+            self._behind[key] = self._behind.get(key, 0) + 1
+            self._behind.move_to_end(key)
+            if len(self._behind) > _SEEN_KEYS:
+                self._behind.popitem(last=False)
+            self._seen[key] = None  # its next sighting comes back here
+            return self._eager(body, "gpu-bound")
         wasted = self._dropped.get(shape, 0) + self._stale(shape)
         if wasted >= WASTED_PER_SHAPE:
             self._off.add(shape)
@@ -250,9 +323,7 @@ class GraphCache:
                 f"than {_MAX_ENV}={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
                 f"small sizes); keep such inputs in persistent buffers, raise {_MAX_ENV}, or set {_ENV}=0",
             )
-            self.eager_reasons["shape off"] += 1
-            self.counts["eager"] += 1
-            return body()
+            return self._eager(body, "shape off")
         try:
             replay, result = self._capture(self, body)
         except Exception as exc:  # noqa: BLE001
@@ -262,9 +333,7 @@ class GraphCache:
                 f"asynctp {key[0]}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
                 f"calls of this shape run eagerly (host-bound at small sizes); {_ENV}=0 skips capture",
             )
-            self.eager_reasons["shape off"] += 1
-            self.counts["eager"] += 1
-            return body()
+            return self._eager(body, "shape off")
         outs, spec = _flatten(result)
         del result
         entry = _Entry(replay, outs, spec, shape, born=self._calls)
@@ -279,6 +348,11 @@ class GraphCache:
             if not old:
                 del self._entries[oldest]
         return self._replay(entry, captured=True)
+
+    def _eager(self, body: Callable[[], Any], reason: str) -> Any:
+        self.eager_reasons[reason] += 1
+        self.counts["eager"] += 1
+        return body()
 
     def _replay(self, entry: _Entry, captured: bool = False) -> Any:
         ws = self.ws
@@ -347,9 +421,9 @@ def clear(ws: Any | None = None) -> None:
 def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
     workspace this process made), the graphs held, and the eager calls by reason ("eager: new
-    key", "eager: outputs held", "eager: shape off"; see GraphCache)."""
+    key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache)."""
     total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0,
-             "eager: new key": 0, "eager: outputs held": 0, "eager: shape off": 0}
+             "eager: new key": 0, "eager: outputs held": 0, "eager: shape off": 0, "eager: gpu-bound": 0}
     for cache in _caches(ws):
         for k, v in {**cache.counts, "graphs": cache._count(),
                      **{f"eager: {r}": n for r, n in cache.eager_reasons.items()}}.items():

@@ -21,9 +21,37 @@ def fake_capture(cache, body):
     return replay, result
 
 
-def make_cache():
+class FakeEvent:
+    """A CUDA event's stand-in: done once the test says the GPU got there."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+class FakeLag(graphs.Lag):
+    """Lag over a settable clock and fake events; gpu_done() finishes every mark so far."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.events: list[FakeEvent] = []
+        super().__init__(record=self._record_fake, clock=lambda: self.now)
+
+    def _record_fake(self, event):
+        event = FakeEvent()
+        self.events.append(event)
+        return event
+
+    def gpu_done(self):
+        for e in self.events:
+            e.done = True
+
+
+def make_cache(lag=None):
     ws = SimpleNamespace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu", op="test")
-    return graphs.GraphCache(ws, capture=fake_capture)
+    return graphs.GraphCache(ws, capture=fake_capture, lag=lag or FakeLag())
 
 
 def op(cache, x, w):
@@ -52,7 +80,7 @@ def test_outputs_the_caller_holds_are_never_overwritten():
     for i, out in enumerate(held):  # each one still holds its own call's result
         assert torch.equal(out, torch.full((4, 3), float(i)))
     assert cache.counts["captured"] == graphs.MAX_PER_KEY and cache.counts["eager"] == 1 + 2
-    assert cache.eager_reasons == {"new key": 1, "outputs held": 2, "shape off": 0}
+    assert cache.eager_reasons == {"new key": 1, "outputs held": 2, "shape off": 0, "gpu-bound": 0}
     assert len({o.data_ptr() for o in held}) == len(held)
 
 
@@ -93,7 +121,7 @@ def test_inputs_at_new_addresses_on_every_call_are_never_captured():
         keep.append(torch.ones(2, 3))
         op(cache, keep[-1], w)
     assert cache.counts == {"eager": 20, "captured": 0, "replayed": 0}
-    assert cache.eager_reasons == {"new key": 20, "outputs held": 0, "shape off": 0}
+    assert cache.eager_reasons == {"new key": 20, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
 
 
 def test_a_shape_whose_graphs_are_dropped_unreplayed_stops_being_captured(monkeypatch):
@@ -155,7 +183,7 @@ def test_a_failed_capture_warns_and_runs_eagerly():
         raise RuntimeError("operation not permitted when stream is capturing")
 
     ws = SimpleNamespace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu", op="test")
-    cache, x, w = graphs.GraphCache(ws, capture=broken), torch.ones(2, 3), torch.eye(3)
+    cache, x, w = graphs.GraphCache(ws, capture=broken, lag=FakeLag()), torch.ones(2, 3), torch.eye(3)
     op(cache, x, w)
     with pytest.warns(RuntimeWarning, match="capturing the pipelined call into a CUDA graph failed"):
         out = op(cache, x, w)[1][0]
@@ -197,3 +225,71 @@ def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv("ASYNCTP_GRAPHS", "0")
     assert not graphs.usable(SimpleNamespace(backend="cuda"))
     assert not graphs.usable(None)
+
+
+def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
+    monkeypatch.delenv("ASYNCTP_GRAPHS", raising=False)  # the default: auto
+    x, w = torch.ones(2, 3), torch.eye(3)
+    lag = FakeLag()
+    cache = make_cache(lag)
+    # a deep queue: every mark stays unfinished while the host moves on 2 ms a call
+    for _ in range(2 + graphs.DECIDE_SIGHTINGS + 3):
+        lag.now += 2e-3
+        op(cache, x, w)
+    assert cache.counts == {"eager": 2 + graphs.DECIDE_SIGHTINGS + 3, "captured": 0, "replayed": 0}
+    assert cache.eager_reasons["gpu-bound"] == 1 + graphs.DECIDE_SIGHTINGS + 3 and cache._count() == 0
+    lag.gpu_done()  # decided: the key stays eager although the GPU caught up now
+    lag.now += 1e-3
+    op(cache, x, w)
+    assert cache.counts["captured"] == 0
+
+    # the GPU keeps up (every mark is finished before the next call): captured at the second call
+    lag2 = FakeLag()
+    cache2 = make_cache(lag2)
+    for _ in range(4):
+        lag2.now += 1e-3
+        lag2.gpu_done()
+        op(cache2, x, w)
+    assert cache2.counts == {"eager": 1, "captured": 1, "replayed": 2}
+
+    # behind at one sighting, caught up at the next: captured then
+    lag3 = FakeLag()
+    cache3 = make_cache(lag3)
+    for i in range(4):
+        lag3.now += 2e-3
+        if i == 2:
+            lag3.gpu_done()
+        op(cache3, x, w)
+    assert cache3.counts == {"eager": 2, "captured": 1, "replayed": 1}
+    assert cache3.eager_reasons["gpu-bound"] == 1
+
+
+def test_graphs_setting_one_captures_regardless_of_the_queue(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_GRAPHS", "1")
+    lag, x, w = FakeLag(), torch.ones(2, 3), torch.eye(3)
+    cache = make_cache(lag)
+    for _ in range(4):
+        lag.now += 1e-3
+        op(cache, x, w)
+    assert cache.counts == {"eager": 1, "captured": 1, "replayed": 2} and lag.events == []
+
+
+def test_lag_marks_are_rate_limited_and_read_from_the_newest_old_enough_mark():
+    lag = FakeLag()
+    lag.mark()
+    lag.now += graphs.MARK_SECONDS / 2
+    lag.mark()  # too soon: no second event
+    assert len(lag.events) == 1
+    assert not lag.behind()  # the only mark is younger than LAG_SECONDS
+    lag.now += graphs.LAG_SECONDS
+    assert lag.behind()  # queued over LAG_SECONDS ago, unfinished
+    lag.mark()  # a newer mark, still young: the old one decides
+    assert lag.behind() and len(lag.events) == 2
+    lag.events[0].done = True
+    assert not lag.behind()
+
+
+def test_graphs_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("ASYNCTP_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="ASYNCTP_GRAPHS requires 0, 1 or auto, got 'sometimes'"):
+        graphs.mode()
