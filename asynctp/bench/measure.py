@@ -31,6 +31,7 @@ from asynctp.bench.report import AUTO, AUTO_GRAPH, COMM, COMPUTE, SERIAL, SERIAL
 from asynctp.bench.shapes import Shape, shapes_for
 from asynctp.symm.rendezvous import exchange
 from asynctp.bench.timing import capture_graph, paired_us, synchronize, time_us
+from asynctp.ops import graphs
 
 __all__ = ["BenchConfig", "DTYPES", "pipelined_strategies", "variant", "environment", "measure_shape", "run_benchmark"]
 
@@ -213,7 +214,7 @@ def _header(case: OpCase, shape: Shape, cfg: BenchConfig, env: dict[str, Any]) -
         "m": shape.m, "n": shape.n, "k": shape.k, "num_bs": shape.num_bs, "dtype": cfg.dtype,
         **env, "command": cfg.command, "iters": cfg.iters, "warmup": cfg.warmup, "tuned": cfg.tune,
         "times_us": {}, "skipped": {}, "bound_us": None, "efficiency": {},
-        "auto_strategy": None, "tuned_strategy": None, "auto_vs_serial": None, "error": None,
+        "auto_strategy": None, "tuned_strategy": None, "auto_vs_serial": None, "error": None, "graph_calls": {},
     }
 
 
@@ -249,8 +250,13 @@ def measure_shape(
     # them ran up to 2x slower (NCCL P2P connections, torch's own workspace and graph pools),
     # which would make the comparison of auto with serial depend on the order of the row.
     workspace_strategies = [s for s in strategies if s != "ring"]
+    # how each asynctp variant's calls went through the graph cache (eager / captured / replayed,
+    # and why eager): whether a timing measured replays or eager launches
+    calls = out["graph_calls"]
     for strategy in ["serial", *workspace_strategies]:
+        before = graphs.stats()
         row.time(variant(strategy), lambda: problem.asynctp(strategy))
+        calls[variant(strategy)] = _graph_delta(before)
     if cfg.tune:
         out["tuned_strategy"] = _tune(row, workspace_strategies, group.size())
     auto_failure = _agree(group, _attempt(lambda: problem.asynctp("auto"), want, problem.check))
@@ -259,11 +265,15 @@ def measure_shape(
     else:
         # auto against serial in alternating rounds: on host-bound rows their difference is
         # smaller than the machine's drift between two separate timings
+        before = graphs.stats()
         row.time_paired(SERIAL_PAIRED, AUTO, lambda: problem.asynctp("serial"), lambda: problem.asynctp("auto"))
+        calls[AUTO] = _graph_delta(before)  # (with the serial calls of the pairs: they never use graphs)
         asynctp.reserve(group, problem.workspace_bytes, device)
         row.graphed(AUTO_GRAPH, lambda: problem.asynctp("auto"), want)
     for strategy in [s for s in strategies if s not in workspace_strategies]:
+        before = graphs.stats()
         row.time(variant(strategy), lambda: problem.asynctp(strategy))
+        calls[variant(strategy)] = _graph_delta(before)
 
     torch_failure = _agree(group, _attempt(problem.torch_fused, want, problem.check))
     if torch_failure is None:
@@ -277,6 +287,12 @@ def measure_shape(
     out["skipped"] = row.skipped
     report.derive(out)
     return out
+
+
+def _graph_delta(before: dict[str, int]) -> dict[str, int]:
+    """The graph cache's counts since `before` (graphs.stats()), the non-zero ones."""
+    after = graphs.stats()
+    return {k: after[k] - before[k] for k in after if k != "graphs" and after[k] != before[k]}
 
 
 def run_benchmark(

@@ -12,7 +12,10 @@ the slowest rank's median time in microseconds:
 
 A variant that could not run has time None and its reason under "skipped". Efficiency of a variant is
 max(compute_bound, comm_bound) / its time; auto_vs_serial is serial's time / auto's time, both
-from the same alternating rounds (serial_paired) where the row has them.
+from the same alternating rounds (serial_paired) where the row has them. "graph_calls" maps each
+asynctp variant to its calls' counts in asynctp's CUDA-graph cache during its timing (eager /
+captured / replayed and why eager, non-zero ones only: asynctp/ops/graphs.py), i.e. whether its
+eager time measured replays or launches.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def bench_float8(cache: str) -> list[dict]:
 _ROW_KEYS = {
     "op", "shape_set", "layer", "shape", "m", "n", "k", "num_bs", "dtype", "world_size", "device", "hardware",
     "torch", "triton", "date", "command", "iters", "warmup", "tuned", "times_us", "skipped", "bound_us",
-    "efficiency", "auto_strategy", "tuned_strategy", "auto_vs_serial", "error",
+    "efficiency", "auto_strategy", "tuned_strategy", "auto_vs_serial", "error", "graph_calls",
 }
 
 
@@ -104,6 +104,8 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
         assert row["bound_us"] == max(row["times_us"]["compute_bound"], row["times_us"]["comm_bound"])
         assert row["efficiency"]["asynctp_auto"] == row["bound_us"] / row["times_us"]["asynctp_auto"]
         assert row["auto_strategy"] == "pipeline"  # the cpu backend always pipelines
+        # per asynctp variant, its calls through the graph cache: none on CPU
+        assert row["graph_calls"] == {k: {} for k in timed - {"compute_bound", "comm_bound", "serial_paired"}}
     assert rows[1]["num_bs"] == 2
     # times are maxima over ranks: every rank holds the same numbers
     for other in per_rank[1:]:
