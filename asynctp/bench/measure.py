@@ -254,9 +254,7 @@ def measure_shape(
     # and why eager): whether a timing measured replays or eager launches
     calls = out["graph_calls"]
     for strategy in ["serial", *workspace_strategies]:
-        before = graphs.stats()
-        row.time(variant(strategy), lambda: problem.asynctp(strategy))
-        calls[variant(strategy)] = _graph_delta(before)
+        _counting(calls, variant(strategy), lambda: row.time(variant(strategy), lambda: problem.asynctp(strategy)))
     if cfg.tune:
         out["tuned_strategy"] = _tune(row, workspace_strategies, group.size())
     auto_failure = _agree(group, _attempt(lambda: problem.asynctp("auto"), want, problem.check))
@@ -265,15 +263,13 @@ def measure_shape(
     else:
         # auto against serial in alternating rounds: on host-bound rows their difference is
         # smaller than the machine's drift between two separate timings
-        before = graphs.stats()
-        row.time_paired(SERIAL_PAIRED, AUTO, lambda: problem.asynctp("serial"), lambda: problem.asynctp("auto"))
-        calls[AUTO] = _graph_delta(before)  # (with the serial calls of the pairs: they never use graphs)
+        # (the pairs' serial calls counted too: they never use graphs)
+        _counting(calls, AUTO, lambda: row.time_paired(SERIAL_PAIRED, AUTO, lambda: problem.asynctp("serial"),
+                                                       lambda: problem.asynctp("auto")))
         asynctp.reserve(group, problem.workspace_bytes, device)
         row.graphed(AUTO_GRAPH, lambda: problem.asynctp("auto"), want)
     for strategy in [s for s in strategies if s not in workspace_strategies]:
-        before = graphs.stats()
-        row.time(variant(strategy), lambda: problem.asynctp(strategy))
-        calls[variant(strategy)] = _graph_delta(before)
+        _counting(calls, variant(strategy), lambda: row.time(variant(strategy), lambda: problem.asynctp(strategy)))
 
     torch_failure = _agree(group, _attempt(problem.torch_fused, want, problem.check))
     if torch_failure is None:
@@ -289,10 +285,12 @@ def measure_shape(
     return out
 
 
-def _graph_delta(before: dict[str, int]) -> dict[str, int]:
-    """The graph cache's counts since `before` (graphs.stats()), the non-zero ones."""
+def _counting(calls: dict[str, dict[str, int]], key: str, timing: Callable[[], None]) -> None:
+    """Run timing(); calls[key]: the graph cache's counts it added (graphs.stats()), non-zero ones."""
+    before = graphs.stats()
+    timing()
     after = graphs.stats()
-    return {k: after[k] - before[k] for k in after if k != "graphs" and after[k] != before[k]}
+    calls[key] = {k: after[k] - before[k] for k in after if k != "graphs" and after[k] != before[k]}
 
 
 def run_benchmark(

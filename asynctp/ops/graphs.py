@@ -46,6 +46,7 @@ wherever a key recurs); 0 never captures.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import OrderedDict, deque
@@ -74,12 +75,18 @@ _use_count = torch._C._storage_Use_Count
 
 def mode() -> str:
     """ASYNCTP_GRAPHS: "auto" (default), "1" (capture every recurring call) or "0" (never)."""
-    raw = os.environ.get(_ENV, "auto").strip().lower()
-    if raw in ("", "0"):
+    return _parse_mode(os.environ.get(_ENV, "auto"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_mode(raw: str) -> str:
+    # cached: every pipelined call reads the setting (twice: usable() and the cache itself)
+    value = raw.strip().lower()
+    if value in ("", "0"):
         return "0"
-    if raw not in ("1", "auto"):
-        raise ValueError(f"{_ENV} requires 0, 1 or auto, got {os.environ.get(_ENV)!r}")
-    return raw
+    if value not in ("1", "auto"):
+        raise ValueError(f"{_ENV} requires 0, 1 or auto, got {raw!r}")
+    return value
 
 
 def enabled() -> bool:
