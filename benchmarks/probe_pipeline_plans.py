@@ -2,7 +2,8 @@
 side on one machine, bf16 and fp8 (rowwise, tensorwise), seed shapes (N 3584, K 8192), all local
 GPUs: gather mode (push / pull), row blocks, lockstep, the gathered output kept or not, the
 reduce-scatter's side-stream reduction on/off, and its GEMMs storing remote partials straight into
-the owners' slots (ASYNCTP_RS_DIRECT). Every variant is checked against serial (exact)
+the owners' slots (ASYNCTP_RS_DIRECT; PROBE_DIRECT=0 skips them), and, bf16 on 2 ranks, its
+reduction without the GEMM epilogue (ASYNCTP_RS_EPILOGUE=0). Every variant is checked against serial (exact)
 before it is timed. Times: median us over 30 eager calls, slowest rank (eager calls replay from
 asynctp's CUDA graphs after their second sighting, as in training).
 
@@ -157,7 +158,11 @@ def probe_rs(kind, M, g, ws, rank) -> dict:
         if ws == 2:
             assert torch.equal(got, ref), f"rs {kind} M{M} s{sp} side{side}: differs from serial"
         r[f"s{sp}_side{side}"] = timeit(fn)
-    for sp in (1, 2, 4) if FULL else ():  # remote partials stored by their GEMMs into the owners' slots
+    for sp in (1, 2, 4) if kind == "bf16" and ws == 2 else ():  # 2 bf16 ranks reduce as fp8 does: no epilogue
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_EPILOGUE=0, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
+        r[f"s{sp}_no_epilogue_exact"] = bool(torch.equal(fn(), ref))  # one rounding fewer than the epilogue? recorded
+        r[f"s{sp}_no_epilogue"] = timeit(fn)
+    for sp in (1, 2, 4) if FULL and os.environ.get("PROBE_DIRECT", "1") == "1" else ():  # remote partials stored by their GEMMs into the owners' slots
         fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
         got = fn()
         if ws == 2:

@@ -25,15 +25,18 @@ produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
 
     copy stream:  barrier(0): every rank finished its previous op, slots are free |
                   push each produced block into slot r of its owner, then signal the owner
-    compute:      produce the blocks for r+1, r+2, ... first, own blocks last; each own block
-                  waits for its peers' signals and is reduced right away: with 2 ranks the
-                  reduction is the GEMM's own epilogue (addmm onto the received partial),
-                  otherwise one fp32 sum over the slots
+    compute:      produce the blocks for r+1, r+2, ... first, own blocks last. With 2 ranks
+                  and a GEMM that can accumulate (bf16 addmm), an own block's GEMM waits for
+                  the peer's signal and adds onto the received partial in its epilogue.
+                  Otherwise (fp8's scaled GEMM, more ranks) the own block's GEMM runs at once,
+                  and its reduction (one addition, or one fp32 sum over the slots) waits for the
+                  peers' signals (fp8: on a side stream, under the next own block's GEMM)
 No closing barrier is needed: every push is matched by a wait on its signal. With
 ASYNCTP_RS_DIRECT=1 (an experiment) the remote blocks' GEMMs store straight into the owners'
 slots after barrier(0) and signal from the compute stream: no local partials, no copy engine.
 Measured slower on 2xH200 at every split (fp8 rowwise M 4096: 289 us with 2 blocks against 246
 for the copy-engine push; bf16 M 8192: 850 against 731): the GEMMs' stores over NVLink slow them.
+ASYNCTP_RS_EPILOGUE=0 (an experiment) makes 2 bf16 ranks reduce as fp8 does (no epilogue).
 
 The same code runs on the cpu backend, where the Lanes are no-ops and work runs in program
 order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contract).
@@ -57,6 +60,7 @@ _SIGNAL_BASE = 2  # signal channels start after the two barrier channels
 _GATHER_ENV = "ASYNCTP_GATHER"  # "pull" or "push" (the default): how gather_and_consume moves blocks
 _SIDE_REDUCE_ENV = "ASYNCTP_SIDE_REDUCE"  # "0": a reduction without GEMM epilogue stays inline (experiments)
 _RS_DIRECT_ENV = "ASYNCTP_RS_DIRECT"  # "1": remote partials stored by their GEMMs into the owners' slots (experiment)
+_RS_EPILOGUE_ENV = "ASYNCTP_RS_EPILOGUE"  # "0": 2 ranks reduce with an addition, not the GEMM epilogue (experiment)
 
 
 def gather_mode() -> str:
@@ -255,7 +259,8 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
     partials = None if direct else torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
     one_add = world == 2 and reduce_op == "sum"  # the reduction is one addition of two parts
-    epilogue = fused_acc and one_add  # ... done by the GEMM onto the received partial
+    no_epilogue = os.environ.get(_RS_EPILOGUE_ENV) == "0"
+    epilogue = fused_acc and one_add and not no_epilogue  # ... done by the GEMM onto the received partial
     own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
     # the fp32 (fp64) accumulator of any other reduction: allocated before any wait, as on
     # 4xH200 an allocation queued behind a wait for a peer that never came blocked the host (the
@@ -283,12 +288,18 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
                 slot(dst, rank)[lo:hi].copy_(partials[step - 1, lo:hi])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + b)
     own = slot(rank, rank)
-    # without a GEMM epilogue, each own block's reduction goes under the next block's GEMM
-    side_reduce = not fused_acc and os.environ.get(_SIDE_REDUCE_ENV) != "0"
-    for b, (lo, hi) in enumerate(blocks):
+
+    def peers_landed(b: int) -> None:  # on the current stream: every peer's block b is in our slots
         for step in range(1, world):
             ws.wait_signal((rank - step) % world, channel=_SIGNAL_BASE + b)
+
+    # without a GEMM epilogue, each own block's reduction goes under the next block's GEMM, and
+    # only the reduction waits for the peers: the own GEMM runs while their pushes are in flight
+    # (and absorbs the ranks' skew) instead of after them
+    side_reduce = (not fused_acc or (one_add and no_epilogue)) and os.environ.get(_SIDE_REDUCE_ENV) != "0"
+    for b, (lo, hi) in enumerate(blocks):
         if epilogue:
+            peers_landed(b)
             produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
             continue
         if own_partial is not None:
@@ -299,11 +310,13 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             parts = [slot(rank, src)[lo:hi] for src in range(world)]
         block_acc = None if acc is None else acc[lo:hi]
         if not side_reduce:
+            peers_landed(b)
             _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
             continue
         produced = lanes.mark()
         with lanes.compute(1):
             lanes.wait(produced)
+            peers_landed(b)
             _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
     lanes.join()
     return out

@@ -25,10 +25,11 @@ def test_matmul_reduce_scatter(pool, dtype, strategy):
 # the default plan is push, one row block (shapes this small): the other gather mode and
 # several row blocks per chunk must give the same exact results
 PLANS = [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3"}, {"ASYNCTP_GATHER": "pull", "ASYNCTP_SPLITS": "3"},
-         {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"}]
+         {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_EPILOGUE": "0"}]
 
 
-@pytest.mark.parametrize("env", PLANS, ids=["pull", "push-3-blocks", "pull-3-blocks", "3-blocks-rs-direct"])
+@pytest.mark.parametrize("env", PLANS, ids=["pull", "push-3-blocks", "pull-3-blocks", "3-blocks-rs-direct",
+                                            "3-blocks-no-epilogue"])
 def test_pipeline_plans_match_reference(pool, env):
     assert pool.run(cases.under_env, env, cases.all_gather_matmul_grid, DEVICE, "float32", "pipeline")[0] == 28
     if "ASYNCTP_SPLITS" in env:
