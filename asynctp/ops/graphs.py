@@ -40,8 +40,14 @@ of large matmuls), an eager call's host time is hidden and a graph would only ho
 captured only at a sighting where the GPU had caught up with the host: work queued more than
 LAG_SECONDS ago is finished (events recorded on the caller's stream, at most one every
 MARK_SECONDS). A key found behind at DECIDE_SIGHTINGS sightings runs eagerly for good (reason
-"gpu-bound"). ASYNCTP_GRAPHS=1 captures every key at its second call (the memory is then paid
-wherever a key recurs); 0 never captures.
+"gpu-bound"). Small calls are exempt: a key whose tensors (inputs and the first call's outputs)
+add up to less than SMALL_CALL_BYTES is captured at its second call wherever it is seen; its graph
+holds little memory, and small calls are where replays pay most. The exemption matters at a
+run's start, where the queue says little: the first steps' Triton compilations, cuBLAS set-up and
+captures stall one rank's host while its peer's GPU waits for it at a signal, and that peer
+looked "behind" at the first sightings of every key (2xH200, a tiny fp8 model: 21 of 23 calls of
+one rank left eager for good). ASYNCTP_GRAPHS=1 captures every key at its second call (the memory
+is then paid wherever a key recurs); 0 never captures.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
 LAG_SECONDS = 1e-3  # the GPU is "behind" while work queued this long ago is unfinished
 MARK_SECONDS = 2.5e-4  # at most one lag mark (a CUDA event) this often
 DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
+SMALL_CALL_BYTES = 32 << 20  # auto: a key with fewer bytes of inputs + outputs is captured regardless of the queue
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
 WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
 _SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent forgotten
@@ -115,6 +122,15 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
     if t is None:
         return None
     return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _nbytes(key: Any) -> int:
+    """Bytes of the tensors a key describes (tensor_key tuples anywhere in it)."""
+    if isinstance(key, tuple):
+        if len(key) == 4 and isinstance(key[0], int) and isinstance(key[3], torch.dtype):
+            return key[1].numel() * key[3].itemsize
+        return sum(_nbytes(v) for v in key)
+    return 0
 
 
 def _flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
@@ -231,7 +247,7 @@ class GraphCache:
         self.lag = lag or Lag()
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
-        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> bytes of its inputs + first outputs
         self._calls = 0  # calls through this cache
         self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
@@ -303,20 +319,21 @@ class GraphCache:
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
         ):
+            reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
+            result = self._eager(body, reason)
             if entries is None:
-                self._seen[key] = None
+                self._seen[key] = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
-            reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
-            return self._eager(body, reason)
-        self._seen.pop(key, None)
-        if auto and entries is None and self.lag.behind():
+            return result
+        nbytes = self._seen.pop(key, 0)
+        if auto and entries is None and nbytes >= SMALL_CALL_BYTES and self.lag.behind():
             # an eager call's host time is hidden behind the GPU's queue: no graph (yet)
             self._behind[key] = self._behind.get(key, 0) + 1
             self._behind.move_to_end(key)
             if len(self._behind) > _SEEN_KEYS:
                 self._behind.popitem(last=False)
-            self._seen[key] = None  # its next sighting comes back here
+            self._seen[key] = nbytes  # its next sighting comes back here
             return self._eager(body, "gpu-bound")
         wasted = self._dropped.get(shape, 0) + self._stale(shape)
         if wasted >= WASTED_PER_SHAPE:

@@ -229,6 +229,7 @@ def test_disabled_by_the_environment(monkeypatch):
 
 def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
     monkeypatch.delenv("ASYNCTP_GRAPHS", raising=False)  # the default: auto
+    monkeypatch.setattr(graphs, "SMALL_CALL_BYTES", 0)  # these tensors count as large
     x, w = torch.ones(2, 3), torch.eye(3)
     lag = FakeLag()
     cache = make_cache(lag)
@@ -262,6 +263,25 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
         op(cache3, x, w)
     assert cache3.counts == {"eager": 2, "captured": 1, "replayed": 1}
     assert cache3.eager_reasons["gpu-bound"] == 1
+
+
+def test_auto_captures_small_calls_regardless_of_the_queue(monkeypatch):
+    """Inputs + first outputs under SMALL_CALL_BYTES: captured at the second call even while the
+    GPU is behind (a run's first steps, a peer's GPU waiting at a signal, look that way); one
+    byte over: left eager, then eager for good."""
+    monkeypatch.delenv("ASYNCTP_GRAPHS", raising=False)
+    x, w = torch.ones(2, 3), torch.eye(3)
+    nbytes = (x.numel() + w.numel() + 2 * 12) * 4  # x, w; gathered [4, 3] and out [4, 3]
+    for limit, counts in ((nbytes + 1, {"eager": 1, "captured": 1, "replayed": 4}),
+                          (nbytes, {"eager": 6, "captured": 0, "replayed": 0})):
+        monkeypatch.setattr(graphs, "SMALL_CALL_BYTES", limit)
+        lag = FakeLag()
+        cache = make_cache(lag)
+        for _ in range(6):
+            lag.now += 2e-3  # a deep queue: no mark ever finishes
+            op(cache, x, w)
+        assert cache.counts == counts, limit
+    assert cache._behind[next(iter(cache._behind))] >= graphs.DECIDE_SIGHTINGS
 
 
 def test_graphs_setting_one_captures_regardless_of_the_queue(monkeypatch):
