@@ -267,6 +267,17 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     # stuck-wait test hung instead of naming the wait)
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     acc = None if one_add else torch.empty(chunk_shape, dtype=acc_dtype, device=ws.device)
+    own = slot(rank, rank)
+
+    def own_block(lo: int, hi: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(where the own GEMM writes rows lo:hi, the parts their reduction sums)"""
+        if own_partial is not None:  # received + own, as the epilogue
+            return own_partial[lo:hi], [slot(rank, 1 - rank)[lo:hi], own_partial[lo:hi]]
+        return own[lo:hi], [slot(rank, src)[lo:hi] for src in range(world)]
+
+    if not epilogue and ws.device.type == "cuda":
+        for lo, hi in blocks:
+            _load_reduce_kernels(out[lo:hi], own_block(lo, hi)[1], reduce_op, None if acc is None else acc[lo:hi])
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
@@ -287,7 +298,6 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
                 lanes.wait(ready)
                 slot(dst, rank)[lo:hi].copy_(partials[step - 1, lo:hi])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + b)
-    own = slot(rank, rank)
 
     def peers_landed(b: int) -> None:  # on the current stream: every peer's block b is in our slots
         for step in range(1, world):
@@ -302,12 +312,8 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             peers_landed(b)
             produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
             continue
-        if own_partial is not None:
-            produce(rank, lo, hi, own_partial[lo:hi], None)
-            parts = [slot(rank, 1 - rank)[lo:hi], own_partial[lo:hi]]  # received + own, as the epilogue
-        else:
-            produce(rank, lo, hi, own[lo:hi], None)
-            parts = [slot(rank, src)[lo:hi] for src in range(world)]
+        target, parts = own_block(lo, hi)
+        produce(rank, lo, hi, target, None)
         block_acc = None if acc is None else acc[lo:hi]
         if not side_reduce:
             peers_landed(b)
@@ -320,6 +326,29 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
     lanes.join()
     return out
+
+
+_loaded: set[tuple] = set()  # reductions whose kernels this process has launched (_load_reduce_kernels)
+
+
+def _load_reduce_kernels(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str, acc: torch.Tensor | None) -> None:
+    """Run _reduce_into once on small scratch tensors aligned as the real ones are, before any
+    wait on a peer is enqueued. CUDA loads a kernel at its first launch (CUDA_MODULE_LOADING=LAZY,
+    torch's default), and a load while a wait is stuck blocks the host, and with it the
+    watchdog's abort (4xH200: the stuck-peer reduce-scatter hung in `acc.add_`, its first launch
+    of a mixed-dtype add, until the test gave up). Elementwise kernels are picked by dtype and by
+    the pointers' alignment (vector width), so that is what the scratch tensors copy."""
+    real = [out, *parts] + ([] if acc is None else [acc])
+    key = (reduce_op, *((t.dtype, t.data_ptr() % 16) for t in real))
+    if key in _loaded:
+        return
+
+    def scratch(t: torch.Tensor) -> torch.Tensor:
+        shift = t.data_ptr() % 16 // t.element_size()
+        return torch.zeros(64 + shift, dtype=t.dtype, device=t.device)[shift:]
+
+    _reduce_into(scratch(out), [scratch(p) for p in parts], reduce_op, None if acc is None else scratch(acc))
+    _loaded.add(key)
 
 
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str, acc: torch.Tensor | None) -> None:

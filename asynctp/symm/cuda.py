@@ -66,6 +66,10 @@ class CudaWorkspace(Workspace):
         self._grow(1 << 20)
         # made now: when the watchdog needs them, this process's streams may all be stuck
         self._abort = (torch.cuda.Stream(self.device), torch.zeros((), dtype=torch.bool, device=self.device))
+        # and the assert's kernel loaded now: CUDA loads a kernel at its first launch
+        # (CUDA_MODULE_LOADING=LAZY, torch's default), and a load while a wait is stuck blocks
+        with torch.cuda.stream(self._abort[0]):
+            torch._assert_async(torch.ones((), dtype=torch.bool, device=self.device))
         watchdog.watch(self)
 
     def _grow(self, nbytes: int) -> None:
