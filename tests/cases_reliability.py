@@ -169,7 +169,8 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
         if op == "ag":
             asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
         else:
-            asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline")
+            asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, reduce_op="avg" if op == "rs-avg" else "sum",
+                                          strategy="pipeline")
 
     for _ in range(3 if replay else 0):
         call()
