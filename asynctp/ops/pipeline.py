@@ -262,9 +262,9 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     no_epilogue = os.environ.get(_RS_EPILOGUE_ENV) == "0"
     epilogue = fused_acc and one_add and not no_epilogue  # ... done by the GEMM onto the received partial
     own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
-    # the fp32 (fp64) accumulator of any other reduction: allocated before any wait, as on
-    # 4xH200 an allocation queued behind a wait for a peer that never came blocked the host (the
-    # stuck-wait test hung instead of naming the wait)
+    # the fp32 (fp64) accumulator of any other reduction, allocated before any wait (as is
+    # everything else here; the seventh session took a 4xH200 hang in a stuck wait for an
+    # allocation's, the eleventh found a kernel's first launch: _load_reduce_kernels)
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     acc = None if one_add else torch.empty(chunk_shape, dtype=acc_dtype, device=ws.device)
     own = slot(rank, rank)
@@ -353,9 +353,9 @@ def _load_reduce_kernels(out: torch.Tensor, parts: list[torch.Tensor], reduce_op
 
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], reduce_op: str, acc: torch.Tensor | None) -> None:
     """out = sum (or mean) of parts, accumulated in fp32, rounded once. acc: an fp32 (fp64 for
-    fp64 parts) tensor of out's shape; None for a sum of two parts (added straight into out). Nothing is
-    allocated here: this runs after waits for peers, where an allocation (a torch.stack, a
-    .to(copy=True)) blocked the host on 4xH200 when a peer never came."""
+    fp64 parts) tensor of out's shape; None for a sum of two parts (added straight into out). This
+    runs after waits for peers: nothing is allocated here, and its kernels were launched before
+    those waits (_load_reduce_kernels)."""
     world = len(parts)
     if acc is None:  # one addition of two parts
         torch.add(parts[0], parts[1], out=out)  # elementwise in fp32, one rounding
