@@ -26,7 +26,7 @@ produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
     copy stream:  barrier(0): every rank finished its previous op, slots are free |
                   push each produced block into slot r of its owner, then signal the owner
     compute:      produce the blocks for r+1, r+2, ... first, own blocks last. With 2 ranks
-                  and a GEMM that can accumulate (bf16 addmm), an own block's GEMM waits for
+                  and a GEMM that can accumulate (addmm: bf16, fp16, fp32), an own block's GEMM waits for
                   the peer's signal and adds onto the received partial in its epilogue.
                   Otherwise (fp8's scaled GEMM, more ranks) the own block's GEMM runs at once,
                   and its reduction (one addition, or one fp32 sum over the slots) waits for the
@@ -339,7 +339,7 @@ def _load_reduce_kernels(out: torch.Tensor, parts: list[torch.Tensor], reduce_op
     of a mixed-dtype add, until the test gave up). Elementwise kernels are picked by dtype and by
     the pointers' alignment (vector width), so that is what the scratch tensors copy."""
     real = [out, *parts] + ([] if acc is None else [acc])
-    key = (reduce_op, *((t.dtype, t.data_ptr() % 16) for t in real))
+    key = (out.device, reduce_op, *((t.dtype, t.data_ptr() % 16) for t in real))  # kernels load per device
     if key in _loaded:
         return
 
