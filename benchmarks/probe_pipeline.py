@@ -24,19 +24,26 @@ RING_SPLITS = [int(s) for s in os.environ.get("PROBE_RING_SPLITS", "1").split(",
 CARVEOUTS = [int(s) for s in os.environ.get("PROBE_CARVEOUT", "").split(",") if s]
 
 
-def timeit(fn, iters=30, warmup=5):
+def median_us(fn, iters=30, warmup=5, before=None):
+    """fn's median time in us on this GPU (CUDA events around each of `iters` calls after
+    `warmup` calls); before() runs between the warm-up and the timed calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    dist.barrier()
+    if before is not None:
+        before()
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for s, e in evs:
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    med = statistics.median(s.elapsed_time(e) for s, e in evs) * 1000
-    t = torch.tensor([med], device="cuda")
+    return statistics.median(s.elapsed_time(e) for s, e in evs) * 1000
+
+
+def timeit(fn, iters=30, warmup=5):
+    """median_us, ranks started together (a barrier), the slowest rank's."""
+    t = torch.tensor([median_us(fn, iters, warmup, before=dist.barrier)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return round(t.item(), 1)
 

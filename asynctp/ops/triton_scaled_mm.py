@@ -1,0 +1,132 @@
+"""An fp8 GEMM with the reduce-scatter's addition in its epilogue (Triton), for measurement.
+
+    out = (a @ b) * a_scale * b_scale + addend      (fp32 accumulation, one rounding to out's dtype)
+
+Why: on 2 ranks the fp8 reduce-scatter adds each own block's partial to the partial its peer
+pushed in a separate elementwise kernel, because torch._scaled_mm has no accumulate epilogue.
+cuBLAS's GEMMs are persistent (they hold every SM until their tail), so those additions run
+after the last GEMM: 21 + 12 us of a ~237 us call at M 4096 on 2xH200 (eleventh session's trace,
+benchmarks/results/NOTES.md), a good part of what keeps the op below 0.9 efficiency. A GEMM that
+adds the received partial as it stores its tile removes them, if it is about as fast as cuBLAS.
+
+Status: NOT used by the ops. `benchmarks/probe_fp8_epilogue.py` times it against
+torch._scaled_mm (+ the addition) at the reduce-scatter's block shapes on one GPU; the ops adopt
+it only where it measures faster. Numerics differ from the serial reference (which rounds the
+partial to bf16 before the sum) by at most one rounding; use_fast_accum is not modelled (Triton's
+fp8 dot accumulates as its backend chooses). Runs under TRITON_INTERPRET=1 on CPU (the tests; the
+variable must be set before triton is first imported).
+
+Operands: a [M, K] float8 (any strides; row-major is the fast layout), b [K, N] float8 (column-major
+is the fast layout, as torch._scaled_mm requires), a_scale float32 with numel 1 or shape [M, 1],
+b_scale float32 with numel 1 or shape [1, N], addend [M, N] or None, out [M, N] bf16 / fp16 / fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["scaled_mm_add", "default_config"]
+
+
+@triton.jit
+def _scaled_mm_add_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, add_ptr, out_ptr,
+    M, N,
+    s_am, s_ak, s_bk, s_bn, s_sa, s_sb, s_addm, s_addn, s_om, s_on,
+    K: tl.constexpr,  # a compile-time trip count (one kernel per inner dim: a model has few)
+    HAS_ADD: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks in the loop
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # tiles in groups of GROUP_M rows of tiles, so neighbouring programs share b's columns in L2
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_m % M  # out-of-range rows / columns read row 0 / column 0; their results are not stored
+    cols = offs_n % N
+    a_ptrs = a_ptr + rows[:, None] * s_am + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + offs_k[:, None] * s_bk + cols[None, :] * s_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * s_ak
+        b_ptrs += BLOCK_K * s_bk
+
+    # scales: stride 0 broadcasts a tensorwise scale
+    sa = tl.load(sa_ptr + rows * s_sa)
+    sb = tl.load(sb_ptr + cols * s_sb)
+    acc = acc * sa[:, None] * sb[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + offs_m[:, None] * s_addm + offs_n[None, :] * s_addn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_config(m: int, n: int, k: int) -> dict[str, int]:
+    """Tile sizes for Hopper at the reduce-scatter's block shapes (a starting point for the probe,
+    which tries others)."""
+    return {"BLOCK_M": 128, "BLOCK_N": 256 if n >= 256 else 128, "BLOCK_K": 128, "GROUP_M": 8,
+            "num_warps": 8, "num_stages": 3}
+
+
+def scaled_mm_add(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    addend: torch.Tensor | None,
+    out: torch.Tensor,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """out = (a @ b) * a_scale * b_scale (+ addend), see the module docstring; returns out."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"scaled_mm_add requires a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    m, k = a.shape
+    n = b.shape[1]
+    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"scaled_mm_add requires float8 a and b, got {a.dtype} and {b.dtype}")
+    if tuple(out.shape) != (m, n) or (addend is not None and tuple(addend.shape) != (m, n)):
+        raise ValueError(f"scaled_mm_add requires out and addend of shape {(m, n)}, got "
+                         f"{tuple(out.shape)} and {None if addend is None else tuple(addend.shape)}")
+    s_sa = _scale_stride(a_scale, (m, 1), "a_scale", 0)
+    s_sb = _scale_stride(b_scale, (1, n), "b_scale", 1)
+    cfg = dict(config or default_config(m, n, k))
+    meta = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    add = addend if addend is not None else out  # not read without HAS_ADD
+    _scaled_mm_add_kernel[grid](
+        a, b, a_scale, b_scale, add, out, m, n,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), s_sa, s_sb,
+        add.stride(0), add.stride(1), out.stride(0), out.stride(1),
+        K=k, HAS_ADD=addend is not None, EVEN_K=k % meta["BLOCK_K"] == 0, **meta, **cfg,
+    )
+    return out
+
+
+def _scale_stride(scale: torch.Tensor, vector: tuple[int, int], name: str, dim: int) -> int:
+    """The stride that walks the scale along its vector dim (0: one value for all)."""
+    if scale.dtype != torch.float32:
+        raise TypeError(f"scaled_mm_add requires a float32 {name}, got {scale.dtype}")
+    if scale.numel() == 1:
+        return 0
+    if tuple(scale.shape) != vector:
+        raise ValueError(f"scaled_mm_add requires {name} of numel 1 or shape {vector}, got {tuple(scale.shape)}")
+    return scale.stride(dim)
