@@ -6,7 +6,7 @@ the seed shapes: a [rows, 3584] float8 @ b [3584, 8192] (column-major), rows 102
 
 Columns (median us over 50 calls, CUDA events): "scaled_mm" the GEMM alone, "scaled_mm + add"
 the GEMM into a partial then torch.add(received, partial) (today's own block), and the Triton
-kernel with each tile config tried. Every Triton result is checked against "scaled_mm + add"
+kernel with each tile config tried (pointer loads, and TMA: tensor descriptors). Every Triton result is checked against "scaled_mm + add"
 first (one bf16 rounding of the summands apart at most). Writes OUT_DIR/fp8_epilogue.json.
 
     PROBE_ROWS=1024,2048,4096 PROBE_KINDS=rowwise,tensorwise python benchmarks/probe_fp8_epilogue.py OUT_DIR
@@ -24,9 +24,10 @@ from benchmarks.probe_pipeline import median_us
 ROWS = [int(r) for r in os.environ.get("PROBE_ROWS", "1024,2048,4096").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "rowwise,tensorwise").split(",")
 K_IN, N_OUT = 3584, 8192
-CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    (128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 4), (256, 128, 128, 8, 3),
-    (128, 256, 128, 8, 4), (128, 128, 128, 4, 4), (64, 256, 128, 4, 4),
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, TMA)
+    (128, 256, 128, 8, 3, 0), (128, 256, 64, 8, 4, 0), (128, 128, 128, 8, 4, 0), (256, 128, 128, 8, 3, 0),
+    (128, 256, 128, 8, 4, 0), (128, 128, 128, 4, 4, 0), (64, 256, 128, 4, 4, 0),
+    (128, 256, 128, 8, 3, 1), (128, 256, 128, 8, 4, 1), (128, 128, 128, 8, 4, 1), (128, 256, 64, 8, 4, 1),
 ]
 
 
@@ -63,9 +64,10 @@ def main(out_dir: str) -> None:
             want = out.float().clone()
             # one bf16 rounding of the partial apart at most, however far the sum cancels
             bound = 2**-7 * (want.abs() + partial.float().abs() + received.float().abs()) + 1e-3
-            for bm, bn, bk, warps, stages in CONFIGS:
-                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
-                name = f"triton {bm}x{bn}x{bk} w{warps} s{stages}"
+            for bm, bn, bk, warps, stages, tma in CONFIGS:
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+                       "TMA": tma}
+                name = f"triton {bm}x{bn}x{bk} w{warps} s{stages}{' tma' if tma else ''}"
                 try:
                     got = torch.empty_like(out)
                     scaled_mm_add(a, b, sa, sb, received, got, config=cfg)

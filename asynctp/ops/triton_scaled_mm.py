@@ -31,6 +31,33 @@ __all__ = ["scaled_mm_add", "default_config"]
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile (pid_m, pid_n): tiles in groups of GROUP_M rows of tiles, so
+    neighbouring programs share b's columns in L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, add_ptr, out_ptr, s_sa, s_sb, s_addm, s_addn, s_om, s_on,
+              HAS_ADD: tl.constexpr):
+    """Scale the fp32 tile (stride 0 broadcasts a tensorwise scale), add the addend's tile, round
+    once, store the rows and columns inside [M, N]."""
+    sa = tl.load(sa_ptr + (offs_m % M) * s_sa)
+    sb = tl.load(sb_ptr + (offs_n % N) * s_sb)
+    acc = acc * sa[:, None] * sb[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + offs_m[:, None] * s_addm + offs_n[None, :] * s_addn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _scaled_mm_add_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, add_ptr, out_ptr,
     M, N,
@@ -40,15 +67,7 @@ def _scaled_mm_add_kernel(
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks in the loop
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # tiles in groups of GROUP_M rows of tiles, so neighbouring programs share b's columns in L2
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,14 +89,33 @@ def _scaled_mm_add_kernel(
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
 
-    # scales: stride 0 broadcasts a tensorwise scale
-    sa = tl.load(sa_ptr + rows * s_sa)
-    sb = tl.load(sb_ptr + cols * s_sb)
-    acc = acc * sa[:, None] * sb[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if HAS_ADD:
-        acc += tl.load(add_ptr + offs_m[:, None] * s_addm + offs_n[None, :] * s_addn, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, add_ptr, out_ptr, s_sa, s_sb, s_addm, s_addn, s_om, s_on,
+              HAS_ADD)
+
+
+@triton.jit
+def _scaled_mm_add_tma_kernel(
+    a_desc, bt_desc, sa_ptr, sb_ptr, add_ptr, out_ptr,
+    M, N,
+    s_sa, s_sb, s_addm, s_addn, s_om, s_on,
+    K: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The kernel above with a and b read by the tensor memory accelerator (host-made
+    descriptors over a [M, K] and b^T [N, K], both K-contiguous; tiles past the edges read zeros)."""
+    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        bt = bt_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        acc = tl.dot(a, bt.T, acc)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _epilogue(acc, offs_m, offs_n, M, N, sa_ptr, sb_ptr, add_ptr, out_ptr, s_sa, s_sb, s_addm, s_addn, s_om, s_on,
+              HAS_ADD)
 
 
 def default_config(m: int, n: int, k: int) -> dict[str, int]:
@@ -96,7 +134,9 @@ def scaled_mm_add(
     out: torch.Tensor,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """out = (a @ b) * a_scale * b_scale (+ addend), see the module docstring; returns out."""
+    """out = (a @ b) * a_scale * b_scale (+ addend), see the module docstring; returns out.
+    config: BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M, num_warps / num_stages, and TMA=1 for the
+    kernel that reads a and b through tensor descriptors (default_config() when None)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"scaled_mm_add requires a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     m, k = a.shape
@@ -109,9 +149,24 @@ def scaled_mm_add(
     s_sa = _scale_stride(a_scale, (m, 1), "a_scale", 0)
     s_sb = _scale_stride(b_scale, (1, n), "b_scale", 1)
     cfg = dict(config or default_config(m, n, k))
+    tma = bool(cfg.pop("TMA", 0))
     meta = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     add = addend if addend is not None else out  # not read without HAS_ADD
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bt = b.t()
+        if a.stride(1) != 1 or bt.stride(1) != 1 or a.stride(0) % 16 or bt.stride(0) % 16:
+            raise ValueError("scaled_mm_add with TMA requires a row-major a and a column-major b with rows of "
+                             f"16-byte multiples, got strides {a.stride()} and {b.stride()}")
+        _scaled_mm_add_tma_kernel[grid](
+            TensorDescriptor.from_tensor(a, [meta["BLOCK_M"], meta["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(bt, [meta["BLOCK_N"], meta["BLOCK_K"]]),
+            a_scale, b_scale, add, out, m, n, s_sa, s_sb, add.stride(0), add.stride(1), out.stride(0), out.stride(1),
+            K=k, HAS_ADD=addend is not None, **meta, **cfg,
+        )
+        return out
     _scaled_mm_add_kernel[grid](
         a, b, a_scale, b_scale, add, out, m, n,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), s_sa, s_sb,

@@ -26,11 +26,12 @@ def reference(a, b, sa, sb, addend, out_dtype):
     return (full if addend is None else full + addend.float()).to(out_dtype)
 
 
+@pytest.mark.parametrize("tma", [0, 1])
 @pytest.mark.parametrize("scales", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("with_add", [True, False])
-def test_matches_fp32_math_on_the_same_fp8_values(kernel, scales, with_add):
+def test_matches_fp32_math_on_the_same_fp8_values(kernel, scales, with_add, tma):
     g = torch.Generator().manual_seed(0)
-    m, n, k = 37, 70, 80  # no dim a multiple of the tiles
+    m, n, k = 37, 70, 80  # no dim a multiple of the tiles (k: rows of 16-byte multiples, for TMA)
     a = torch.randn(m, k, generator=g).to(E4M3)
     b = torch.randn(n, k, generator=g).to(E4M3).t()  # column-major, as torch._scaled_mm takes it
     if scales == "rowwise":
@@ -39,7 +40,7 @@ def test_matches_fp32_math_on_the_same_fp8_values(kernel, scales, with_add):
         sa, sb = torch.tensor(0.5), torch.tensor(0.25)
     addend = torch.randn(m, n, generator=g).bfloat16() if with_add else None
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    kernel.scaled_mm_add(a, b, sa, sb, addend, out, config=SMALL)
+    kernel.scaled_mm_add(a, b, sa, sb, addend, out, config={**SMALL, "TMA": tma})
     want = reference(a, b, sa, sb, addend, torch.bfloat16)
     # fp32 sums in another order, one rounding to bf16: at most one bf16 ulp apart
     torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-3)
@@ -80,5 +81,7 @@ def test_bad_operands_raise(kernel):
         kernel.scaled_mm_add(a, b, one, torch.ones(16, 1), None, out)
     with pytest.raises(TypeError, match="float32 a_scale"):
         kernel.scaled_mm_add(a, b, one.double(), one, None, out)
+    with pytest.raises(ValueError, match="with TMA requires a row-major a and a column-major b"):
+        kernel.scaled_mm_add(a, b, one, one, None, out, config={**SMALL, "TMA": 1})  # b row-major
     with pytest.raises(ValueError, match=r"out and addend of shape \(4, 16\)"):
         kernel.scaled_mm_add(a, b, one, one, torch.zeros(4, 8), out)
