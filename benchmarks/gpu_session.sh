@@ -39,6 +39,8 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     graphmem) for spec in ${GRAPHMEM_SPECS:-2:default 2:0.5 2:off}; do IFS=: read -r bs pol <<< "$spec"; ( [ "$pol" = off ] && export ASYNCTP_GRAPHS=0; [ "$pol" != off ] && [ "$pol" != default ] && export ASYNCTP_GRAPH_MAX_TFLOP=$pol; step ${DEMO_LIMIT:-200} demo_graphs_${pol}_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs ${DEMO_ARGS:-} --out $R/graphs_${pol}_b$bs ); done ;;
     demo200) step ${DEMO_LIMIT:-300} demo_200_control python3 -m asynctp.cli demo --model 8b-block --steps 200 --control --no-comm-baseline ${DEMO_ARGS:-} --out $R/demo200 ;;
     fp8epi) TAILN=12 step ${EPI_LIMIT:-180} probe_fp8_epilogue python3 benchmarks/probe_fp8_epilogue.py $R/fp8_epilogue ;;
+    fp8epiop) ASYNCTP_FP8_EPILOGUE=1 step 150 gpu_tests_fp8_epilogue python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py -k "reduce_scatter"
+              for op in scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise; do ASYNCTP_FP8_EPILOGUE=1 step ${FP8_LIMIT:-60} bench_epilogue_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_epilogue_op; done ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac
 done

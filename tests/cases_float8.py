@@ -664,3 +664,23 @@ def quantize_kernels_exact(device: str = "cuda") -> int:
     assert got[0] is out and got[1] is scale_out
     check(got, q.quantize_rows(x, E4M3, recipe), "into kept buffers")
     return count
+
+
+def fp8_epilogue_used(device: str) -> bool:
+    """Whether one pipelined 2-D reduce-scatter (sum) ran the Triton GEMM with the epilogue
+    addition (ASYNCTP_FP8_EPILOGUE=1 and 2 ranks) and matched the reference."""
+    from unittest import mock
+
+    import asynctp.ops.triton_scaled_mm as kernel
+
+    calls = [0]
+    real = kernel.scaled_mm_add
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    with mock.patch.object(kernel, "scaled_mm_add", counted):
+        check_rs(device, ndim=2, scatter_dim=0, a_mode="rowwise", b_mode="per_column", out_dtype=torch.bfloat16,
+                 with_bias=False, reduce_op="sum", strategy="pipeline", seed=7)
+    return calls[0] > 0

@@ -3,11 +3,13 @@ rank's partial chunk sent while the next one is computed (row-parallel linear, f
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from asynctp.config import warn_once
 from asynctp.ops import graphs, guard
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
@@ -21,6 +23,8 @@ from asynctp.ops.tuning import plan_for
 from asynctp.symm import resolve_group
 
 __all__ = ["scaled_matmul_reduce_scatter"]
+
+_EPILOGUE_ENV = "ASYNCTP_FP8_EPILOGUE"  # "1": 2 ranks add the received partial in a Triton GEMM's epilogue (experiment)
 
 
 def scaled_matmul_reduce_scatter(
@@ -119,13 +123,16 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
 
+    fused = _epilogue_kernel(world, reduce_op, a.device)
+
     def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
-        # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself
+        # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself,
+        # unless the Triton GEMM does it (ASYNCTP_FP8_EPILOGUE=1)
         return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits,
-                                          fused_acc=False)
+                                          fused_acc=fused)
 
     def body():
-        return _pipelined(reduce_scatter, ws.rank, *args())
+        return _pipelined(reduce_scatter, ws.rank, *args(), fused_add=fused)
 
     key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
            tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
@@ -153,9 +160,12 @@ def _pipelined(
     reduce_op: str,
     bias: torch.Tensor | None,
     use_fast_accum: bool,
+    fused_add: bool = False,
 ) -> torch.Tensor:
     """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
-    the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1])."""
+    the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1]).
+    fused_add: a partial that is added to another (produce's acc) comes from the Triton GEMM
+    that adds it in its epilogue (asynctp/ops/triton_scaled_mm.py), one rounding."""
     chunk_shape = lay.chunk_shape(b.shape[1])
     n = chunk_shape[1]
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
@@ -173,21 +183,30 @@ def _pipelined(
         # an expanded tensorwise scale has equal rows: its first ones serve any block
         return a_fixed[: row_hi - row_lo] if any_rowwise else a_fixed
 
-    def partial(dst: int, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+    def gemm(a_rows, b_cols, a_s, b_s, out, addend):
+        if addend is None:
+            return scaled_mm(a_rows, b_cols, a_s, b_s, out_dtype, use_fast_accum=use_fast_accum, out=out)
+        from asynctp.ops.triton_scaled_mm import scaled_mm_add
+
+        return scaled_mm_add(a_rows, b_cols, a_s, b_s, addend, out)
+
+    def partial(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+        """out = this rank's partial for rows lo:hi of dst's chunk (+ acc: the Triton GEMM)."""
         if lay.n_mode:
             cols = slice(dst * n, (dst + 1) * n)
             b_s = aligned(b_scale[:, cols]) if b_scale.numel() != 1 else b_scale
-            return scaled_mm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out_dtype,
-                             use_fast_accum=use_fast_accum, out=out)
+            return gemm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out, acc)
         # one run of a's rows, or one per leading index (batch-major)
         for off, row, count in lay.a_runs(dst, lo, hi):
-            scaled_mm(lay.a_2d[row : row + count], b, a_rows_scale(row, row + count), b_scale, out_dtype,
-                      use_fast_accum=use_fast_accum, out=out[off : off + count])
+            gemm(lay.a_2d[row : row + count], b, a_rows_scale(row, row + count), b_scale, out[off : off + count],
+                 None if acc is None else acc[off : off + count])
         return out
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if acc is None:
             partial(dst, lo, hi, out)
+        elif fused_add:
+            partial(dst, lo, hi, out, acc)
         else:
             # _scaled_mm has no beta: the received partial is added after, in fp32, rounded once
             torch.add(acc, partial(dst, lo, hi, torch.empty_like(out)), out=out)
@@ -196,3 +215,28 @@ def _pipelined(
     if bias is not None:
         out.add_(bias_chunk(lay, bias, rank))
     return lay.restore(out)
+
+
+def _epilogue_kernel(world: int, reduce_op: str, device: torch.device) -> bool:
+    """Whether 2 ranks' own blocks add the received partial in the Triton GEMM's epilogue
+    (ASYNCTP_FP8_EPILOGUE=1, an experiment: benchmarks/probe_fp8_epilogue.py measures the
+    kernel). Where it is asked for and cannot be used, a warning says why, once. Not measured
+    in the pipeline yet; the kernel is compiled and loaded at its first launch, which comes after
+    the wait for the peer's partial (a peer stuck at that very call blocks the host there, as
+    the reduction's kernels did before pipeline._load_reduce_kernels)."""
+    if os.environ.get(_EPILOGUE_ENV, "") != "1":
+        return False
+    why = None
+    if world != 2 or reduce_op != "sum":
+        why = f"it applies to 2 ranks summing, got {world} ranks, reduce_op {reduce_op!r}"
+    elif device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = f"it needs a CUDA device (or TRITON_INTERPRET=1), got {device.type}"
+    else:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            why = f"triton is not importable ({exc})"
+    if why is not None:
+        warn_once(f"fp8-epilogue:{why}", f"asynctp scaled_matmul_reduce_scatter: {_EPILOGUE_ENV}=1 ignored: {why}")
+        return False
+    return True
