@@ -146,6 +146,11 @@ def scaled_mm_add(
     if tuple(out.shape) != (m, n) or (addend is not None and tuple(addend.shape) != (m, n)):
         raise ValueError(f"scaled_mm_add requires out and addend of shape {(m, n)}, got "
                          f"{tuple(out.shape)} and {None if addend is None else tuple(addend.shape)}")
+    for name, t in (("a", a), ("b", b), ("out", out), ("addend", addend)):
+        # the kernels index in int32: element offsets (strides included) must stay below 2^31
+        if t is not None and sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride())) >= 2**31:
+            raise ValueError(f"scaled_mm_add requires {name} to span under 2^31 elements (int32 offsets), "
+                             f"got shape {tuple(t.shape)} strides {t.stride()}")
     s_sa = _scale_stride(a_scale, (m, 1), "a_scale", 0)
     s_sb = _scale_stride(b_scale, (1, n), "b_scale", 1)
     cfg = dict(config or default_config(m, n, k))

@@ -83,5 +83,8 @@ def test_bad_operands_raise(kernel):
         kernel.scaled_mm_add(a, b, one.double(), one, None, out)
     with pytest.raises(ValueError, match="with TMA requires a row-major a and a column-major b"):
         kernel.scaled_mm_add(a, b, one, one, None, out, config={**SMALL, "TMA": 1})  # b row-major
+    huge = torch.empty_strided((2, 16), (2**31, 1), dtype=torch.bfloat16, device="meta")  # rows 2^31 apart
+    with pytest.raises(ValueError, match="out to span under 2\\^31 elements"):
+        kernel.scaled_mm_add(a[:2], b, one, one, None, huge)
     with pytest.raises(ValueError, match=r"out and addend of shape \(4, 16\)"):
         kernel.scaled_mm_add(a, b, one, one, torch.zeros(4, 8), out)
