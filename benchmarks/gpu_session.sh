@@ -36,7 +36,7 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     plansbm) for spec in ${PLANSBM_SPECS:-2:8192,16384}; do IFS=: read -r b ms <<< "$spec"; PROBE_BATCH=$b PROBE_M=$ms TAILN=40 step ${PLANS_LIMIT:-300} probe_plans_batch$b python3 benchmarks/probe_pipeline_plans.py $R/plans_batch$b; done ;;
     sdpa) TAILN=10 step 60 probe_sdpa python3 benchmarks/probe_sdpa_strides.py $R/sdpa ;;
     grads) TAILN=40 step ${GRADS_LIMIT:-240} probe_grads python3 benchmarks/probe_grads.py $R/grads ;;
-    graphmem) for spec in ${GRAPHMEM_SPECS:-2:default 2:0.5 2:off}; do IFS=: read -r bs pol <<< "$spec"; ( [ "$pol" = off ] && export ASYNCTP_GRAPHS=0; [ "$pol" != off ] && [ "$pol" != default ] && export ASYNCTP_GRAPH_MAX_TFLOP=$pol; step ${DEMO_LIMIT:-200} demo_graphs_${pol}_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs ${DEMO_ARGS:-} --out $R/graphs_${pol}_b$bs ); done ;;
+    graphmem) for spec in ${GRAPHMEM_SPECS:-2:auto 2:1 2:0}; do IFS=: read -r bs pol <<< "$spec"; ASYNCTP_GRAPHS=$pol step ${DEMO_LIMIT:-200} demo_graphs_${pol}_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs ${DEMO_ARGS:-} --out $R/graphs_${pol}_b$bs; done ;;
     demo200) step ${DEMO_LIMIT:-300} demo_200_control python3 -m asynctp.cli demo --model 8b-block --steps 200 --control --no-comm-baseline ${DEMO_ARGS:-} --out $R/demo200 ;;
     fp8epi) TAILN=12 step ${EPI_LIMIT:-180} probe_fp8_epilogue python3 benchmarks/probe_fp8_epilogue.py $R/fp8_epilogue ;;
     fp8epiop) ASYNCTP_FP8_EPILOGUE=1 step 150 gpu_tests_fp8_epilogue python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py -k "reduce_scatter"

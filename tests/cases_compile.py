@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from asynctp.compile import fresh_compiles  # noqa: F401  (tests call it as cases_compile.fresh_compiles)
+from asynctp.compile import fresh_compiles
 
 FAKE_WORLD = 2
 

@@ -125,10 +125,15 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
     return (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
+def _is_tensor_key(value: tuple) -> bool:
+    """Whether a tuple of a key is a tensor_key() (address, shape, strides, dtype)."""
+    return len(value) == 4 and isinstance(value[0], int) and isinstance(value[3], torch.dtype)
+
+
 def _nbytes(key: Any) -> int:
     """Bytes of the tensors a key describes (tensor_key tuples anywhere in it)."""
     if isinstance(key, tuple):
-        if len(key) == 4 and isinstance(key[0], int) and isinstance(key[3], torch.dtype):
+        if _is_tensor_key(key):
             return key[1].numel() * key[3].itemsize
         return sum(_nbytes(v) for v in key)
     return 0
@@ -322,7 +327,7 @@ class GraphCache:
         ):
             reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
             result = self._eager(body, reason)
-            if entries is None:
+            if reason == "new key":  # (a shape that is off never comes back to be captured)
                 self._seen[key] = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
@@ -406,7 +411,7 @@ class GraphCache:
 def _strip(value: Any) -> Any:
     """key without the addresses: tensor keys lose their data pointer."""
     if isinstance(value, tuple):
-        if len(value) == 4 and isinstance(value[0], int) and isinstance(value[3], torch.dtype):
+        if _is_tensor_key(value):
             return value[1:]
         return tuple(_strip(v) for v in value)
     return value
