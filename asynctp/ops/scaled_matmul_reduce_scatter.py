@@ -186,9 +186,12 @@ def _pipelined(
     def gemm(a_rows, b_cols, a_s, b_s, out, addend):
         if addend is None:
             return scaled_mm(a_rows, b_cols, a_s, b_s, out_dtype, use_fast_accum=use_fast_accum, out=out)
-        from asynctp.ops.triton_scaled_mm import scaled_mm_add
+        from asynctp.ops.triton_scaled_mm import default_config, scaled_mm_add
 
-        return scaled_mm_add(a_rows, b_cols, a_s, b_s, addend, out)
+        cfg = default_config(*a_rows.shape, b_cols.shape[1])
+        if use_fast_accum:
+            cfg["PROMOTE_K"] = None  # the tensor cores' own accumulation, as cuBLAS's fast accumulation
+        return scaled_mm_add(a_rows, b_cols, a_s, b_s, addend, out, config=cfg)
 
     def partial(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
         """out = this rank's partial for rows lo:hi of dst's chunk (+ acc: the Triton GEMM)."""

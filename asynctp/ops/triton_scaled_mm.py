@@ -12,9 +12,16 @@ adds the received partial as it stores its tile removes them, if it is about as 
 Status: NOT used by the ops. `benchmarks/probe_fp8_epilogue.py` times it against
 torch._scaled_mm (+ the addition) at the reduce-scatter's block shapes on one GPU; the ops adopt
 it only where it measures faster. Numerics differ from the serial reference (which rounds the
-partial to bf16 before the sum) by at most one rounding; use_fast_accum is not modelled (Triton's
-fp8 dot accumulates as its backend chooses). Runs under TRITON_INTERPRET=1 on CPU (the tests; the
-variable must be set before triton is first imported).
+partial to bf16 before the sum) by one rounding, and by how the tensor cores accumulate:
+
+Accumulation (config key PROMOTE_K). Hopper's fp8 MMA accumulates in reduced precision; Triton's
+default for fp8 dots on sm_90 never moves the sum to full fp32 registers (max_num_imprecise_acc =
+2^30), which is cuBLAS's use_fast_accum=True. Without it the result drifted by tens of bf16 ulps
+at K 3584 on an H200 (twelfth session: every tile config failed the probe's one-rounding check).
+PROMOTE_K = n adds the tensor cores' partial sum to an fp32 accumulator every n elements of K
+(0: after every MMA instruction; BLOCK_K: once per loop step, the default); None keeps Triton's
+fast accumulation. Runs under TRITON_INTERPRET=1 on CPU (the tests; the variable must be set
+before triton is first imported), which accumulates in fp32 whatever PROMOTE_K says.
 
 Operands: a [M, K] float8 (any strides; row-major is the fast layout), b [K, N] float8 (column-major
 is the fast layout, as torch._scaled_mm requires), a_scale float32 with numel 1 or shape [M, 1],
@@ -64,6 +71,7 @@ def _scaled_mm_add_kernel(
     s_am, s_ak, s_bk, s_bn, s_sa, s_sb, s_addm, s_addn, s_om, s_on,
     K: tl.constexpr,  # a compile-time trip count (one kernel per inner dim: a model has few)
     HAS_ADD: tl.constexpr,
+    PROMOTE_K: tl.constexpr,  # see the module docstring
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks in the loop
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -85,7 +93,7 @@ def _scaled_mm_add_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
 
@@ -100,6 +108,7 @@ def _scaled_mm_add_tma_kernel(
     s_sa, s_sb, s_addm, s_addn, s_om, s_on,
     K: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """The kernel above with a and b read by the tensor memory accelerator (host-made
@@ -110,7 +119,7 @@ def _scaled_mm_add_tma_kernel(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
         bt = bt_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
-        acc = tl.dot(a, bt.T, acc)
+        acc = tl.dot(a, bt.T, acc, max_num_imprecise_acc=PROMOTE_K)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,9 +128,11 @@ def _scaled_mm_add_tma_kernel(
 
 
 def default_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes for Hopper at the reduce-scatter's block shapes (a starting point for the probe,
-    which tries others)."""
-    return {"BLOCK_M": 128, "BLOCK_N": 256 if n >= 256 else 128, "BLOCK_K": 128, "GROUP_M": 8,
+    """Tile sizes for Hopper at the reduce-scatter's block shapes: the fastest precise config of
+    `benchmarks/probe_fp8_epilogue.py` on an H200 at rows 1024-4096 x K 3584 x N 8192 (twelfth
+    session; 128 x 256 tiles with 8 warps spill once the fp32 promotion needs a second tile of
+    registers)."""
+    return {"BLOCK_M": 256 if m > 128 else 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
             "num_warps": 8, "num_stages": 3}
 
 
@@ -135,8 +146,9 @@ def scaled_mm_add(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """out = (a @ b) * a_scale * b_scale (+ addend), see the module docstring; returns out.
-    config: BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M, num_warps / num_stages, and TMA=1 for the
-    kernel that reads a and b through tensor descriptors (default_config() when None)."""
+    config: BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M, num_warps / num_stages, PROMOTE_K (default
+    BLOCK_K; None: fast accumulation) and TMA=1 for the kernel that reads a and b through tensor
+    descriptors (default_config() when None)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"scaled_mm_add requires a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     m, k = a.shape
@@ -156,6 +168,9 @@ def scaled_mm_add(
     cfg = dict(config or default_config(m, n, k))
     tma = bool(cfg.pop("TMA", 0))
     meta = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    meta["PROMOTE_K"] = cfg.pop("PROMOTE_K", meta["BLOCK_K"])
+    if meta["PROMOTE_K"] is not None and not 0 <= meta["PROMOTE_K"] <= meta["BLOCK_K"]:
+        raise ValueError(f"scaled_mm_add requires PROMOTE_K in [0, BLOCK_K] or None, got {meta['PROMOTE_K']}")
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     add = addend if addend is not None else out  # not read without HAS_ADD
     if tma:

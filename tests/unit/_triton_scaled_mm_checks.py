@@ -86,5 +86,21 @@ def test_bad_operands_raise(kernel):
     huge = torch.empty_strided((2, 16), (2**31, 1), dtype=torch.bfloat16, device="meta")  # rows 2^31 apart
     with pytest.raises(ValueError, match="out to span under 2\\^31 elements"):
         kernel.scaled_mm_add(a[:2], b, one, one, None, huge)
+    with pytest.raises(ValueError, match=r"PROMOTE_K in \[0, BLOCK_K\] or None, got 64"):
+        kernel.scaled_mm_add(a, b, one, one, None, out, config={**SMALL, "PROMOTE_K": 64})  # BLOCK_K 32
     with pytest.raises(ValueError, match=r"out and addend of shape \(4, 16\)"):
         kernel.scaled_mm_add(a, b, one, one, torch.zeros(4, 8), out)
+
+
+@pytest.mark.parametrize("promote", [None, 0, 16])
+def test_every_accumulation_setting_compiles_and_computes(kernel, promote):
+    """PROMOTE_K reaches tl.dot (the interpreter sums in fp32 whatever it says; its effect on
+    Hopper's precision is measured by benchmarks/probe_fp8_epilogue.py)."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(20, 64, generator=g).to(E4M3)
+    b = torch.randn(40, 64, generator=g).to(E4M3).t()
+    sa, sb = torch.tensor(0.5), torch.rand(1, 40, generator=g) + 0.5
+    addend = torch.randn(20, 40, generator=g).bfloat16()
+    out = torch.empty(20, 40, dtype=torch.bfloat16)
+    kernel.scaled_mm_add(a, b, sa, sb, addend, out, config={**SMALL, "PROMOTE_K": promote})
+    torch.testing.assert_close(out.float(), reference(a, b, sa, sb, addend, torch.bfloat16).float(), rtol=2**-7, atol=1e-3)
