@@ -75,7 +75,10 @@ SIZES: dict[str, ModelConfig] = {
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 (plain ops, so DTensor shards it by sequence)."""
+    """x / rms(x) * weight, computed in float32 and rounded once to x's dtype: torch's
+    F.rms_norm, one fused kernel forward and one backward on CUDA (torch >= 2.11; DTensor shards
+    it by sequence). The plain-op version this replaced took ~7 passes over the activations each
+    way, a few ms a step of the 8B-shaped demo at batch 2 in eager mode."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -83,9 +86,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
@@ -96,12 +97,11 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [B, S, H, Dh] by the angles of tables [S, Dh / 2, 2]."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = tables[: x.shape[1], None, :, 0], tables[: x.shape[1], None, :, 1]
-    real = pairs[..., 0] * cos - pairs[..., 1] * sin
-    imag = pairs[..., 0] * sin + pairs[..., 1] * cos
-    return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, S, H, Dh] by the angles of tables [S, Dh / 2, 2]:
+    one complex multiplication in float32 (three kernels each way in eager mode, not ten)."""
+    rotation = torch.view_as_complex(tables[: x.shape[1], None])  # [S, 1, Dh / 2]
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from asynctp.demo.data import MarkovTokens
-from asynctp.demo.model import SIZES, ModelConfig, Transformer, apply_rope, rope_tables
+from asynctp.demo.model import SIZES, ModelConfig, RMSNorm, Transformer, apply_rope, rope_tables
 from asynctp.demo.plan import tp_plan
 from asynctp.demo.profile import exposed_time
 from asynctp.demo.report import comparison, table
@@ -57,6 +57,27 @@ def test_rope_is_a_rotation_and_relative():
     q = torch.randn(8).expand(1, 16, 1, 8)
     qr = apply_rope(q, tables)[0, :, 0]
     assert torch.allclose(qr[3] @ qr[5], qr[9] @ qr[11], atol=1e-5)
+
+
+def test_rope_and_norm_match_their_formulas():
+    """The complex-multiplication RoPE and F.rms_norm against the plain-op formulas they replaced."""
+    g = torch.Generator().manual_seed(0)
+    tables = rope_tables(8, 16, 10000.0)
+    x = torch.randn(2, 16, 3, 8, generator=g)
+    cos, sin = tables[:, None, :, 0], tables[:, None, :, 1]
+
+    def formula(t):
+        pairs = t.float().unflatten(-1, (-1, 2))
+        rotated = [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 0] * sin + pairs[..., 1] * cos]
+        return torch.stack(rotated, -1).flatten(-2).type_as(t)
+
+    torch.testing.assert_close(apply_rope(x, tables), formula(x))
+    torch.testing.assert_close(apply_rope(x.bfloat16(), tables), formula(x.bfloat16()))  # one rounding each
+    norm = RMSNorm(8, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    h = torch.randn(2, 5, 8, generator=g)
+    torch.testing.assert_close(norm(h), h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight)
 
 
 def test_markov_data_is_deterministic_and_has_the_stated_entropy():
