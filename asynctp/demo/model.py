@@ -97,8 +97,16 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [B, S, H, Dh] by the angles of tables [S, Dh / 2, 2]:
-    one complex multiplication in float32 (three kernels each way in eager mode, not ten)."""
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, S, H, Dh] by the angles of tables [S, Dh / 2, 2],
+    in float32. Eager: one complex multiplication (three kernels each way, not ten). Compiled:
+    the same rotation in real arithmetic, which inductor fuses (it generates no code for complex
+    operators and falls back to eager kernels for them)."""
+    if torch.compiler.is_compiling():
+        pairs = x.float().unflatten(-1, (-1, 2))
+        cos, sin = tables[: x.shape[1], None, :, 0], tables[: x.shape[1], None, :, 1]
+        real = pairs[..., 0] * cos - pairs[..., 1] * sin
+        imag = pairs[..., 0] * sin + pairs[..., 1] * cos
+        return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
     rotation = torch.view_as_complex(tables[: x.shape[1], None])  # [S, 1, Dh / 2]
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)

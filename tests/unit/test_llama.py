@@ -73,6 +73,9 @@ def test_rope_and_norm_match_their_formulas():
 
     torch.testing.assert_close(apply_rope(x, tables), formula(x))
     torch.testing.assert_close(apply_rope(x.bfloat16(), tables), formula(x.bfloat16()))  # one rounding each
+    # under torch.compile the real-arithmetic branch runs (inductor does not generate complex code)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(apply_rope, backend="eager", fullgraph=True)(x, tables), formula(x))
     norm = RMSNorm(8, 1e-5)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5, generator=g)
