@@ -223,8 +223,9 @@ def _pipelined(
 def _epilogue_kernel(world: int, reduce_op: str, device: torch.device) -> bool:
     """Whether 2 ranks' own blocks add the received partial in the Triton GEMM's epilogue
     (ASYNCTP_FP8_EPILOGUE=1, an experiment: benchmarks/probe_fp8_epilogue.py measures the
-    kernel). Where it is asked for and cannot be used, a warning says why, once. Not measured
-    in the pipeline yet; the kernel is compiled and loaded at its first launch, which comes after
+    kernel). Where it is asked for and cannot be used, a warning says why, once. Measured slower
+    than the default on 2xH200 (triton_scaled_mm's docstring), so off by default; the GPU fp8
+    reduce-scatter tests pass with it. The kernel is compiled and loaded at its first launch, which comes after
     the wait for the peer's partial (a peer stuck at that very call blocks the host there, as
     the reduction's kernels did before pipeline._load_reduce_kernels)."""
     if os.environ.get(_EPILOGUE_ENV, "") != "1":

@@ -9,19 +9,23 @@ after the last GEMM: 21 + 12 us of a ~237 us call at M 4096 on 2xH200 (eleventh 
 benchmarks/results/NOTES.md), a good part of what keeps the op below 0.9 efficiency. A GEMM that
 adds the received partial as it stores its tile removes them, if it is about as fast as cuBLAS.
 
-Status: NOT used by the ops. `benchmarks/probe_fp8_epilogue.py` times it against
-torch._scaled_mm (+ the addition) at the reduce-scatter's block shapes on one GPU; the ops adopt
-it only where it measures faster. Numerics differ from the serial reference (which rounds the
+Status: NOT used by the ops; measured slower. Twelfth session, H200, K 3584 x N 8192
+(`benchmarks/probe_fp8_epilogue.py`, benchmarks/results/session12_2026-11-22/): the best precise
+config took 73 / 138 / 270 us at rows 1024 / 2048 / 4096 (rowwise) against 65 / 118 / 242 for
+torch._scaled_mm + the addition (1.12-1.17x slower; tensorwise alike), and the 2-rank fp8
+reduce-scatter with ASYNCTP_FP8_EPILOGUE=1 took 179 / 250 / 461 us at seed M 2048 / 4096 / 8192
+against 129 / 227 / 427 without. Numerics differ from the serial reference (which rounds the
 partial to bf16 before the sum) by one rounding, and by how the tensor cores accumulate:
 
 Accumulation (config key PROMOTE_K). Hopper's fp8 MMA accumulates in reduced precision; Triton's
-default for fp8 dots on sm_90 never moves the sum to full fp32 registers (max_num_imprecise_acc =
-2^30), which is cuBLAS's use_fast_accum=True. Without it the result drifted by tens of bf16 ulps
-at K 3584 on an H200 (twelfth session: every tile config failed the probe's one-rounding check).
-PROMOTE_K = n adds the tensor cores' partial sum to an fp32 accumulator every n elements of K
-(0: after every MMA instruction; BLOCK_K: once per loop step, the default); None keeps Triton's
-fast accumulation. Runs under TRITON_INTERPRET=1 on CPU (the tests; the variable must be set
-before triton is first imported), which accumulates in fp32 whatever PROMOTE_K says.
+default for fp8 dots on sm_90 never moves the sum to fp32 registers (max_num_imprecise_acc =
+2^30), as cuBLAS's use_fast_accum=True does not. Under that default every tile config failed the
+probe's one-rounding check: worst element 58.6 of its units against cuBLAS's 8.4 (cuBLAS with
+use_fast_accum: 58.6 too). PROMOTE_K = n adds the tensor cores' partial sum to an fp32
+accumulator every n elements of K (0: after every MMA instruction; BLOCK_K: once per loop step,
+the default, which matched cuBLAS's error); None keeps the fast accumulation (what the ops pass
+for use_fast_accum=True). Runs under TRITON_INTERPRET=1 on CPU (the tests; the variable must be
+set before triton is first imported), which accumulates in fp32 whatever PROMOTE_K says.
 
 Operands: a [M, K] float8 (any strides; row-major is the fast layout), b [K, N] float8 (column-major
 is the fast layout, as torch._scaled_mm requires), a_scale float32 with numel 1 or shape [M, 1],
@@ -128,10 +132,10 @@ def _scaled_mm_add_tma_kernel(
 
 
 def default_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes for Hopper at the reduce-scatter's block shapes: the fastest precise config of
-    `benchmarks/probe_fp8_epilogue.py` on an H200 at rows 1024-4096 x K 3584 x N 8192 (twelfth
-    session; 128 x 256 tiles with 8 warps spill once the fp32 promotion needs a second tile of
-    registers)."""
+    """Tile sizes for Hopper at the reduce-scatter's block shapes: among the fastest precise
+    configs of `benchmarks/probe_fp8_epilogue.py` on an H200 at rows 1024-4096 x K 3584 x N 8192
+    (twelfth session; 128 x 256 tiles with 8 warps, the fastest with fast accumulation, took about
+    twice as long with the fp32 promotion)."""
     return {"BLOCK_M": 256 if m > 128 else 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
             "num_warps": 8, "num_stages": 3}
 
