@@ -9,9 +9,9 @@ the GEMM into a partial then torch.add(received, partial) (today's own block), t
 use_fast_accum, and the Triton kernel with each tile config (pointer loads, and TMA: tensor
 descriptors) and accumulation (PROMOTE_K: "k<BLOCK_K>" promotes to fp32 once per loop step, "k0"
 after every MMA, "fast" never, Triton's sm_90 default). Each also gets its error against fp32
-math on the same fp8 values (a.float() @ b.float() * scales + received): "err" the worst element
-in units of 2^-8 x (|result| + |product|) + 1e-3 (about one bf16 rounding each), "rel_rms"
-||got - ref|| / ||ref||. A Triton variant passes when its err is at most 2x cuBLAS's (non-fast)
+math on the same fp8 values (a.float() @ b.float() * scales + received): "err ..." is the pair
+(worst element in units of 2^-8 x (|result| + |product|) + 1e-3, about one bf16 rounding each;
+||got - ref|| / ||ref||). A Triton variant passes when its err is at most 2x cuBLAS's (non-fast)
 one; a failed variant is timed anyway and marked. Writes OUT_DIR/fp8_epilogue.json.
 
     PROBE_ROWS=1024,2048,4096 PROBE_KINDS=rowwise,tensorwise PROBE_PROMOTE=block,fast,0 \

@@ -12,14 +12,14 @@ adds the received partial as it stores its tile removes them, if it is about as 
 Status: NOT used by the ops; measured slower. Twelfth session, H200, K 3584 x N 8192
 (`benchmarks/probe_fp8_epilogue.py`, benchmarks/results/session12_2026-11-22/): the best precise
 config took 73 / 138 / 270 us at rows 1024 / 2048 / 4096 (rowwise) against 65 / 118 / 242 for
-torch._scaled_mm + the addition (1.12-1.17x slower; tensorwise alike), and the 2-rank fp8
+torch._scaled_mm + the addition (1.1-1.2x slower over two runs and both scale kinds), and the 2-rank fp8
 reduce-scatter with ASYNCTP_FP8_EPILOGUE=1 took 179 / 250 / 461 us at seed M 2048 / 4096 / 8192
 against 129 / 227 / 427 without. Numerics differ from the serial reference (which rounds the
 partial to bf16 before the sum) by one rounding, and by how the tensor cores accumulate:
 
 Accumulation (config key PROMOTE_K). Hopper's fp8 MMA accumulates in reduced precision; Triton's
 default for fp8 dots on sm_90 never moves the sum to fp32 registers (max_num_imprecise_acc =
-2^30), as cuBLAS's use_fast_accum=True does not. Under that default every tile config failed the
+2^30), like cuBLAS with use_fast_accum=True. Under that default every tile config failed the
 probe's one-rounding check: worst element 58.6 of its units against cuBLAS's 8.4 (cuBLAS with
 use_fast_accum: 58.6 too). PROMOTE_K = n adds the tensor cores' partial sum to an fp32
 accumulator every n elements of K (0: after every MMA instruction; BLOCK_K: once per loop step,
