@@ -12,8 +12,8 @@ adds the received partial as it stores its tile removes them, if it is about as 
 Status: NOT used by the ops; measured slower. Twelfth session, H200, K 3584 x N 8192
 (`benchmarks/probe_fp8_epilogue.py`, benchmarks/results/session12_2026-11-22/): the best precise
 config took 73 / 138 / 270 us at rows 1024 / 2048 / 4096 (rowwise) against 65 / 118 / 242 for
-torch._scaled_mm + the addition (1.1-1.2x slower over two runs and both scale kinds), and the 2-rank fp8
-reduce-scatter with ASYNCTP_FP8_EPILOGUE=1 took 179 / 250 / 461 us at seed M 2048 / 4096 / 8192
+torch._scaled_mm + the addition (1.1-1.2x slower over two runs and both scale kinds), and the
+2-rank fp8 reduce-scatter with ASYNCTP_FP8_EPILOGUE=1 took 179 / 250 / 461 us at seed M 2048 / 4096 / 8192
 against 129 / 227 / 427 without. Numerics differ from the serial reference (which rounds the
 partial to bf16 before the sum) by one rounding, and by how the tensor cores accumulate:
 
