@@ -105,7 +105,7 @@ def main(out_dir: str) -> None:
                 best = min(timed, key=timed.get)
                 row["best triton"] = best
                 row["best triton vs scaled_mm + add"] = round(timed[best] / row["scaled_mm + add"], 3)
-            ranked = sorted(((v, k) for k, v in row.items() if k.startswith("triton") and isinstance(v, float)))[:4]
+            ranked = sorted((v, k) for k, v in timed.items())[:4]
             print(f"{kind} rows {m}: scaled_mm {row['scaled_mm']} | +add {row['scaled_mm + add']} err {row['err scaled_mm + add']}"
                   f" | fast+add {row['scaled_mm fast + add']} err {row['err scaled_mm fast + add']} | best exact triton: "
                   + "; ".join(f"{k[7:]} {v} err {row['err ' + k]}" for v, k in ranked)

@@ -275,9 +275,10 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             return own_partial[lo:hi], [slot(rank, 1 - rank)[lo:hi], own_partial[lo:hi]]
         return own[lo:hi], [slot(rank, src)[lo:hi] for src in range(world)]
 
-    if not epilogue and ws.device.type == "cuda":
-        for lo, hi in blocks:
-            _load_reduce_kernels(out[lo:hi], own_block(lo, hi)[1], reduce_op, None if acc is None else acc[lo:hi])
+    own_blocks = None if epilogue else [own_block(lo, hi) for lo, hi in blocks]
+    if own_blocks is not None and ws.device.type == "cuda":
+        for (lo, hi), (_, parts) in zip(blocks, own_blocks):
+            _load_reduce_kernels(out[lo:hi], parts, reduce_op, None if acc is None else acc[lo:hi])
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
@@ -312,7 +313,7 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             peers_landed(b)
             produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
             continue
-        target, parts = own_block(lo, hi)
+        target, parts = own_blocks[b]
         produce(rank, lo, hi, target, None)
         block_acc = None if acc is None else acc[lo:hi]
         if not side_reduce:

@@ -132,7 +132,7 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
                                           fused_acc=fused)
 
     def body():
-        return _pipelined(reduce_scatter, ws.rank, *args(), fused_add=fused)
+        return _pipelined(reduce_scatter, ws.rank, *args())
 
     key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
            tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
@@ -160,12 +160,12 @@ def _pipelined(
     reduce_op: str,
     bias: torch.Tensor | None,
     use_fast_accum: bool,
-    fused_add: bool = False,
 ) -> torch.Tensor:
     """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
     the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1]).
-    fused_add: a partial that is added to another (produce's acc) comes from the Triton GEMM
-    that adds it in its epilogue (asynctp/ops/triton_scaled_mm.py), one rounding."""
+    produce gets a partial to add (acc) only where reduce_scatter was told the GEMM can
+    accumulate (fused_acc: ASYNCTP_FP8_EPILOGUE=1); the Triton GEMM of
+    asynctp/ops/triton_scaled_mm.py then adds it in its epilogue, one rounding."""
     chunk_shape = lay.chunk_shape(b.shape[1])
     n = chunk_shape[1]
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
@@ -206,13 +206,7 @@ def _pipelined(
         return out
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
-        if acc is None:
-            partial(dst, lo, hi, out)
-        elif fused_add:
-            partial(dst, lo, hi, out, acc)
-        else:
-            # _scaled_mm has no beta: the received partial is added after, in fp32, rounded once
-            torch.add(acc, partial(dst, lo, hi, torch.empty_like(out)), out=out)
+        partial(dst, lo, hi, out, acc)
 
     out = reduce_scatter(produce, chunk_shape)
     if bias is not None:
