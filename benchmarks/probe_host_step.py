@@ -11,6 +11,8 @@ and prints the host / step time per variant; then, with a CUDA-only torch profil
 number of steps, OUT_DIR/kernels_<variant>_<recipe>.txt: device time per step by kernel category
 (GEMM, quantization, elementwise, NCCL, copies, ...) and the top kernels, rank 0. PROBE_OPS=1:
 also OUT_DIR/ops_<variant>_<recipe>.txt, aten ops by device time grouped by input shapes.
+PROBE_PLAIN=1: only the unprofiled steps (PROBE_STEPS of them, default 5), their median host and
+step time, peak memory and graph-cache calls, both ranks.
 """
 
 import cProfile
@@ -65,7 +67,24 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
 
         for _ in range(8):
             step()
-        plain = [step() for _ in range(5)]
+        torch.cuda.reset_peak_memory_stats(device)
+        from asynctp.ops import graphs
+
+        before = graphs.stats()
+        plain = [step() for _ in range(int(os.environ.get("PROBE_STEPS", "5")))]
+        if os.environ.get("PROBE_PLAIN"):  # step times only: no profiles
+            after = graphs.stats()
+            calls = {k: (after[k] - before[k]) // len(plain) for k in after if k != "graphs" and after[k] != before[k]}
+            host, secs = sorted(h for h, _ in plain), sorted(s for _, s in plain)
+            print(f"rank {rank} {spec} graphs={os.environ.get('ASYNCTP_GRAPHS', 'auto')} lag_ms={graphs.LAG_SECONDS * 1e3:g}: "
+                  f"host {host[len(host) // 2] * 1e3:.1f} ms, step {secs[len(secs) // 2] * 1e3:.1f} ms "
+                  f"(min {secs[0] * 1e3:.1f}, max {secs[-1] * 1e3:.1f}), peak allocated "
+                  f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB, reserved {torch.cuda.max_memory_reserved(device) / 2**30:.2f}, "
+                  f"graph calls per step {calls}", flush=True)
+            del model, opt
+            torch._inductor.config._micro_pipeline_tp = False
+            torch.cuda.empty_cache()
+            continue
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(3):

@@ -82,9 +82,12 @@ def paired_us(
     device: torch.device, rounds: int = 5,
 ) -> tuple[float, float]:
     """The slowest rank's times of fa and fb, measured in alternating rounds (fa's block, fb's
-    block, ...) and reduced to the median of each one's round medians. For comparisons of two
-    variants whose difference is smaller than the drift of a machine over a row (host-bound
-    calls): both see the same conditions."""
+    block, then fb's, fa's, ...) and reduced to the median of each one's round medians. For
+    comparisons of two variants whose difference is smaller than the drift of a machine over a
+    row (host-bound calls): both see the same conditions. The order flips every round, so
+    neither always runs straight after the other's block (2xH200, fp8 all-gather at llama70b
+    w13, 3 ms a call: "auto" ran the very code of "serial" and timed 4% slower as the second of
+    each pair, twelfth and thirteenth sessions)."""
     rounds = max(1, min(rounds, iters))
     per_round = max(1, iters // rounds)
     align_ranks(group, device)
@@ -92,9 +95,10 @@ def paired_us(
         fa()
         fb()
     a_meds, b_meds = [], []
-    for _ in range(rounds):
-        a_meds.append(median_us(fa, per_round, 0, device))
-        b_meds.append(median_us(fb, per_round, 0, device))
+    for r in range(rounds):
+        order = ((fa, a_meds), (fb, b_meds)) if r % 2 == 0 else ((fb, b_meds), (fa, a_meds))
+        for fn, meds in order:
+            meds.append(median_us(fn, per_round, 0, device))
     a, b = statistics.median(a_meds), statistics.median(b_meds)
     return max_over_ranks(a, group, device), max_over_ranks(b, group, device)
 

@@ -37,10 +37,17 @@ where the GPU waits for the host. Where the GPU runs behind the host (a deep que
 of large matmuls), an eager call's host time is hidden and a graph would only hold memory (2xH200,
 8B-shaped block, tenth session: eager step time equal with and without graphs, 129.8 ms at batch
 2, while the graphs took the process's peak reserved memory from 17.6 to 33.9 GiB). So a key is
-captured only at a sighting where the GPU had caught up with the host: work queued more than
-LAG_SECONDS ago is finished (events recorded on the caller's stream, at most one every
-MARK_SECONDS). A key found behind at DECIDE_SIGHTINGS sightings runs eagerly for good (reason
-"gpu-bound"). Small calls are exempt: a key whose tensors (inputs and the first call's outputs)
+captured only at a sighting where the GPU was less than LAG_SECONDS (10 ms; ASYNCTP_GRAPHS_LAG_MS)
+behind the host: work queued that long ago is finished (events recorded on the caller's stream, at
+most one every MARK_SECONDS). A key found behind at DECIDE_SIGHTINGS sightings runs eagerly for good
+(reason "gpu-bound"). Why 10 ms, not less: a queue a few ms deep hides a few eager calls, not a
+backward pass of them. With 1 ms (thirteenth session, 2xH200, 8B-shaped block, eager, one machine)
+the batch-1 step's backward calls looked behind and stayed eager (31 of 34 calls a step), each
+costing ~1-2 ms of host time, and the GPU starved later in the backward: 67.6 ms a step against
+59.7 with 10 ms (every call replayed), for 3.6 GiB more allocated (12.8 vs 9.1). At batch 2 the
+queue is tens of ms deep: 10 ms leaves the backward eager, the step time equal (112-115 ms), and
+costs 1.2-2 GiB allocated (the first layers' forward calls, sighted while each step's queue is
+still short, are captured). Small calls are exempt: a key whose tensors (inputs and the first call's outputs)
 add up to less than SMALL_CALL_BYTES is captured at its second call wherever it is seen; its graph
 holds little memory, and small calls are where replays pay most. The exemption matters at a
 run's start, where the queue says little: the first steps' Triton compilations, cuBLAS set-up and
@@ -69,8 +76,10 @@ __all__ = ["mode", "enabled", "usable", "settings", "tensor_key", "call", "clear
 _ENV = "ASYNCTP_GRAPHS"
 _MAX_ENV = "ASYNCTP_MAX_GRAPHS"
 MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
-LAG_SECONDS = 1e-3  # the GPU is "behind" while work queued this long ago is unfinished
+# the GPU is "behind" while work queued this long ago is unfinished (ASYNCTP_GRAPHS_LAG_MS)
+LAG_SECONDS = float(os.environ.get("ASYNCTP_GRAPHS_LAG_MS", "10")) / 1e3
 MARK_SECONDS = 2.5e-4  # at most one lag mark (a CUDA event) this often
+_MARKS = int(LAG_SECONDS / MARK_SECONDS) + 12  # marks kept: enough to reach back LAG_SECONDS
 DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
 SMALL_CALL_BYTES = 32 << 20  # auto: a key with fewer bytes of inputs + outputs is captured regardless of the queue
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
@@ -213,10 +222,11 @@ def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[
 
 class Lag:
     """How far the GPU runs behind the host: CUDA events recorded on the caller's stream, each with
-    the host time it was recorded at (at most one every MARK_SECONDS, the last 16 kept)."""
+    the host time it was recorded at (at most one every MARK_SECONDS, enough kept to reach back
+    LAG_SECONDS)."""
 
     def __init__(self, record: Callable[[Any], Any] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._marks: deque = deque(maxlen=16)  # (host time, event), oldest first
+        self._marks: deque = deque(maxlen=_MARKS)  # (host time, event), oldest first
         self._record = record or _record_event
         self._clock = clock
         self._last = float("-inf")

@@ -55,3 +55,20 @@ def test_result_checks():
     check_sqnr("out", want + 1e-3 * torch.randn(64, 32).bfloat16(), want)
     with pytest.raises(AssertionError, match="SQNR"):
         check_sqnr("out", torch.randn(64, 32).bfloat16(), want)
+
+
+def test_paired_timing_flips_which_variant_goes_first_every_round(monkeypatch):
+    """Neither variant may always run straight after the other's block (a warmer GPU then)."""
+    import torch
+
+    from asynctp.bench import timing
+
+    monkeypatch.setattr(timing, "align_ranks", lambda group, device: None)
+    monkeypatch.setattr(timing, "max_over_ranks", lambda value, group, device: value)
+    calls: list[str] = []
+    a, b = timing.paired_us(lambda: calls.append("a"), lambda: calls.append("b"), iters=8, warmup=1, group=None,
+                            device=torch.device("cpu"), rounds=4)
+    assert calls[:2] == ["a", "b"]  # warmup
+    blocks = ["".join(calls[i : i + 2]) for i in range(2, len(calls), 2)]
+    assert blocks == ["aa", "bb", "bb", "aa", "aa", "bb", "bb", "aa"]
+    assert a >= 0 and b >= 0
