@@ -79,16 +79,19 @@ def time_us(
 
 def paired_us(
     fa: Callable[[], Any], fb: Callable[[], Any], iters: int, warmup: int, group: dist.ProcessGroup,
-    device: torch.device, rounds: int = 5,
+    device: torch.device, rounds: int = 6,
 ) -> tuple[float, float]:
     """The slowest rank's times of fa and fb, measured in alternating rounds (fa's block, fb's
     block, then fb's, fa's, ...) and reduced to the median of each one's round medians. For
     comparisons of two variants whose difference is smaller than the drift of a machine over a
     row (host-bound calls): both see the same conditions. The order flips every round, so
     neither always runs straight after the other's block (2xH200, fp8 all-gather at llama70b
-    w13, 3 ms a call: "auto" ran the very code of "serial" and timed 4% slower as the second of
-    each pair, twelfth and thirteenth sessions)."""
+    w13, 3 ms a call: "auto" ran the very code of "serial" and timed 4-7% slower as the second
+    of each pair, twelfth and thirteenth sessions). The number of rounds is even (from 2 rounds
+    on): with an odd one, one variant would go first once more than the other, and the median
+    of the rounds could be decided by that one round."""
     rounds = max(1, min(rounds, iters))
+    rounds -= rounds % 2 if rounds > 1 else 0
     per_round = max(1, iters // rounds)
     align_ranks(group, device)
     for _ in range(warmup):
