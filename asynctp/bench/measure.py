@@ -27,7 +27,7 @@ import torch.distributed as dist
 import asynctp
 from asynctp.bench import report
 from asynctp.bench.cases import CASES, OpCase, Problem
-from asynctp.bench.report import AUTO, AUTO_GRAPH, COMM, COMPUTE, SERIAL, SERIAL_PAIRED, TORCH, TORCH_GRAPH
+from asynctp.bench.report import AUTO, AUTO_GRAPH, AUTO_PAIRED, COMM, COMPUTE, SERIAL, SERIAL_PAIRED, TORCH, TORCH_GRAPH
 from asynctp.bench.shapes import Shape, shapes_for
 from asynctp.symm.rendezvous import exchange
 from asynctp.bench.timing import capture_graph, paired_us, synchronize, time_us
@@ -266,11 +266,13 @@ def measure_shape(
     if auto_failure is not None:  # only after tuning switched auto to another strategy
         out["error"] = f"auto differs from serial after tuning: {auto_failure}"
     else:
-        # auto against serial in alternating rounds: on host-bound rows their difference is
+        # auto alone, back to back, as every other column (and torch's) is timed
+        _counting(calls, AUTO, lambda: row.time(AUTO, lambda: problem.asynctp("auto")))
+        # and against serial in alternating rounds: on host-bound rows their difference is
         # smaller than the machine's drift between two separate timings
         # (the pairs' serial calls counted too: they never use graphs)
-        _counting(calls, AUTO, lambda: row.time_paired(SERIAL_PAIRED, AUTO, lambda: problem.asynctp("serial"),
-                                                       lambda: problem.asynctp("auto")))
+        _counting(calls, AUTO_PAIRED, lambda: row.time_paired(SERIAL_PAIRED, AUTO_PAIRED, lambda: problem.asynctp("serial"),
+                                                              lambda: problem.asynctp("auto")))
         asynctp.reserve(group, problem.workspace_bytes, device)
         row.graphed(AUTO_GRAPH, lambda: problem.asynctp("auto"), want)
     for strategy in [s for s in strategies if s not in workspace_strategies]:

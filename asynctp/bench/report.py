@@ -9,10 +9,15 @@ the slowest rank's median time in microseconds:
     torch_fused(_graph) torch.ops.symm_mem's fused op, eager (and CUDA-graphed)
     asynctp_<strategy>  each pipelined strategy, eager
     asynctp_auto(_graph) strategy="auto", eager (and CUDA-graphed)
+    serial_paired, asynctp_auto_paired   serial and auto again, timed in alternating rounds
 
 A variant that could not run has time None and its reason under "skipped". Efficiency of a variant is
 max(compute_bound, comm_bound) / its time; auto_vs_serial is serial's time / auto's time, both
-from the same alternating rounds (serial_paired) where the row has them. "graph_calls" maps each
+from the same alternating rounds (serial_paired, asynctp_auto_paired) where the row has them.
+Every other column is timed alone, back to back, as torch's are: a block of a paired round
+timed the same replayed code 1-6% slower than the standalone column (2xH200, fp8 all-gather,
+thirteenth session), so rows before that session, whose asynctp_auto was the paired time,
+understate auto against torch by that much. "graph_calls" maps each
 asynctp variant to its calls' counts in asynctp's CUDA-graph cache during its timing (eager /
 captured / replayed and why eager, non-zero ones only: asynctp/ops/graphs.py), i.e. whether its
 eager time measured replays or launches.
@@ -28,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "COMPUTE", "COMM", "SERIAL", "TORCH", "TORCH_GRAPH", "AUTO", "AUTO_GRAPH",
+    "COMPUTE", "COMM", "SERIAL", "TORCH", "TORCH_GRAPH", "AUTO", "AUTO_GRAPH", "SERIAL_PAIRED", "AUTO_PAIRED",
     "today", "default_hardware", "derive", "columns", "format_table", "progress_line",
     "results_stem", "merge_rows", "write_results", "regenerate", "markdown", "target_notes", "write_readme",
 ]
@@ -37,6 +42,7 @@ COMPUTE, COMM, SERIAL = "compute_bound", "comm_bound", "serial"
 TORCH, TORCH_GRAPH = "torch_fused", "torch_fused_graph"
 AUTO, AUTO_GRAPH = "asynctp_auto", "asynctp_auto_graph"
 SERIAL_PAIRED = "serial_paired"  # serial, timed in alternating rounds with auto
+AUTO_PAIRED = "asynctp_auto_paired"  # auto, timed in those rounds (rows before the thirteenth session: in AUTO)
 
 _HEADINGS = {
     COMPUTE: "mm only", COMM: "comm only", SERIAL: "serial", TORCH: "torch fused",
@@ -67,7 +73,10 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
             k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM) and t
         }
     if times.get(SERIAL) and times.get(AUTO):
-        row["auto_vs_serial"] = times.get(SERIAL_PAIRED, times[SERIAL]) / times[AUTO]
+        if times.get(SERIAL_PAIRED) and times.get(AUTO_PAIRED):
+            row["auto_vs_serial"] = times[SERIAL_PAIRED] / times[AUTO_PAIRED]
+        else:  # older rows: AUTO is the paired time where SERIAL_PAIRED exists
+            row["auto_vs_serial"] = times.get(SERIAL_PAIRED, times[SERIAL]) / times[AUTO]
     return row
 
 

@@ -91,7 +91,8 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
         ("matmul_reduce_scatter", "96x64x32"), ("matmul_reduce_scatter", "192x64x32"),
     ]
     strategies = pipelined_strategies(cases.CASES["all_gather_matmul"])
-    timed = {"compute_bound", "comm_bound", "serial", "serial_paired", "asynctp_auto"} | {f"asynctp_{s}" for s in strategies}
+    timed = {"compute_bound", "comm_bound", "serial", "serial_paired", "asynctp_auto", "asynctp_auto_paired"} | {
+        f"asynctp_{s}" for s in strategies}
     for row in rows:
         assert set(row) == _ROW_KEYS and row["error"] is None
         assert row["world_size"] == world and row["hardware"] == f"{world}xcpu" and row["device"] == "cpu"
@@ -103,6 +104,8 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
         assert "CPU" in row["skipped"]["torch_fused"]
         assert row["bound_us"] == max(row["times_us"]["compute_bound"], row["times_us"]["comm_bound"])
         assert row["efficiency"]["asynctp_auto"] == row["bound_us"] / row["times_us"]["asynctp_auto"]
+        # serial / auto from the same alternating rounds, not from the standalone columns
+        assert row["auto_vs_serial"] == row["times_us"]["serial_paired"] / row["times_us"]["asynctp_auto_paired"]
         assert row["auto_strategy"] == "pipeline"  # the cpu backend always pipelines
         # per asynctp variant, its calls through the graph cache: none on CPU
         assert row["graph_calls"] == {k: {} for k in timed - {"compute_bound", "comm_bound", "serial_paired"}}

@@ -40,6 +40,9 @@ def test_derive_efficiency_and_ratio():
     assert row["efficiency"]["serial"] == pytest.approx(373 / 527)
     assert "compute_bound" not in row["efficiency"]
     assert row["auto_vs_serial"] == pytest.approx(527 / 400)
+    # the pair's own times where the row has them; rows before them kept the paired auto in asynctp_auto
+    assert _row(serial_paired=540.0, asynctp_auto_paired=410.0)["auto_vs_serial"] == pytest.approx(540 / 410)
+    assert _row(serial_paired=540.0)["auto_vs_serial"] == pytest.approx(540 / 400)
 
 
 def test_skipped_variants_have_no_efficiency():
