@@ -76,8 +76,21 @@ __all__ = ["mode", "enabled", "usable", "settings", "tensor_key", "call", "clear
 _ENV = "ASYNCTP_GRAPHS"
 _MAX_ENV = "ASYNCTP_MAX_GRAPHS"
 MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
-# the GPU is "behind" while work queued this long ago is unfinished (ASYNCTP_GRAPHS_LAG_MS)
-LAG_SECONDS = float(os.environ.get("ASYNCTP_GRAPHS_LAG_MS", "10")) / 1e3
+_LAG_ENV = "ASYNCTP_GRAPHS_LAG_MS"
+
+
+def _lag_seconds(raw: str) -> float:
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(f"{_LAG_ENV} requires a number of milliseconds >= 0, got {raw!r}")
+    return ms / 1e3
+
+
+# the GPU is "behind" while work queued this long ago is unfinished (auto)
+LAG_SECONDS = _lag_seconds(os.environ.get(_LAG_ENV, "10"))
 MARK_SECONDS = 2.5e-4  # at most one lag mark (a CUDA event) this often
 _MARKS = int(LAG_SECONDS / MARK_SECONDS) + 12  # marks kept: enough to reach back LAG_SECONDS
 DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)

@@ -233,7 +233,7 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
     x, w = torch.ones(2, 3), torch.eye(3)
     lag = FakeLag()
     cache = make_cache(lag)
-    # a deep queue: every mark stays unfinished while the host moves on 2 ms a call
+    # a deep queue: every mark stays unfinished while the host moves on twice LAG_SECONDS a call
     for _ in range(2 + graphs.DECIDE_SIGHTINGS + 3):
         lag.now += 2 * graphs.LAG_SECONDS
         op(cache, x, w)
@@ -320,6 +320,13 @@ def test_lag_keeps_marks_back_to_lag_seconds_at_the_busiest_marking_rate():
     for event in lag.events[-int(graphs.LAG_SECONDS / graphs.MARK_SECONDS) + 2 :]:
         event.done = True  # only marks younger than LAG_SECONDS finished: still behind
     assert lag.behind()
+
+
+def test_lag_setting_is_checked():
+    assert graphs._lag_seconds("10") == 0.01 and graphs._lag_seconds("0") == 0.0
+    for bad in ("soon", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=f"ASYNCTP_GRAPHS_LAG_MS requires a number of milliseconds >= 0, got '{bad}'"):
+            graphs._lag_seconds(bad)
 
 
 def test_graphs_setting_is_checked(monkeypatch):
