@@ -25,7 +25,7 @@ import sys
 import torch
 
 from asynctp.ops.triton_scaled_mm import scaled_mm_add
-from benchmarks.probe_pipeline import median_us
+from asynctp.bench.timing import median_us
 
 ROWS = [int(r) for r in os.environ.get("PROBE_ROWS", "1024,2048,4096").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "rowwise,tensorwise").split(",")
@@ -41,7 +41,7 @@ PROMOTES = os.environ.get("PROBE_PROMOTE", "block,fast,0").split(",")
 
 
 def timeit(fn) -> float:
-    return round(median_us(fn, iters=50, warmup=10), 1)
+    return round(median_us(fn, 50, 10, torch.device("cuda", torch.cuda.current_device())), 1)
 
 
 def errors(got: torch.Tensor, ref: torch.Tensor, product: torch.Tensor) -> tuple[float, float]:

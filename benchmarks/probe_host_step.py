@@ -11,8 +11,8 @@ and prints the host / step time per variant; then, with a CUDA-only torch profil
 number of steps, OUT_DIR/kernels_<variant>_<recipe>.txt: device time per step by kernel category
 (GEMM, quantization, elementwise, NCCL, copies, ...) and the top kernels, rank 0. PROBE_OPS=1:
 also OUT_DIR/ops_<variant>_<recipe>.txt, aten ops by device time grouped by input shapes.
-PROBE_PLAIN=1: only the unprofiled steps (PROBE_STEPS of them, default 5), their median host and
-step time, peak memory and graph-cache calls, both ranks.
+Every rank prints its unprofiled steps' (PROBE_STEPS of them, default 5) median host and step
+time, peak memory and graph-cache calls per step; PROBE_PLAIN=1: that only, no profiles.
 """
 
 import cProfile
@@ -37,6 +37,7 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
     from asynctp.demo.data import MarkovTokens
     from asynctp.demo.model import SIZES
     from asynctp.demo.train import VARIANTS, TrainSettings, _build, _queue_step
+    from asynctp.ops import graphs
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -53,7 +54,6 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
         model = _build(VARIANTS[name], settings, mesh, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         data = MarkovTokens(cfg.vocab_size, seed=0)
-        tag = spec.replace(":", "_")
 
         def step() -> tuple[float, float]:
             tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
@@ -68,53 +68,53 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
         for _ in range(8):
             step()
         torch.cuda.reset_peak_memory_stats(device)
-        from asynctp.ops import graphs
-
         before = graphs.stats()
         plain = [step() for _ in range(int(os.environ.get("PROBE_STEPS", "5")))]
-        if os.environ.get("PROBE_PLAIN"):  # step times only: no profiles
-            after = graphs.stats()
-            calls = {k: (after[k] - before[k]) // len(plain) for k in after if k != "graphs" and after[k] != before[k]}
-            host, secs = sorted(h for h, _ in plain), sorted(s for _, s in plain)
-            print(f"rank {rank} {spec} graphs={os.environ.get('ASYNCTP_GRAPHS', 'auto')} lag_ms={graphs.LAG_SECONDS * 1e3:g}: "
-                  f"host {host[len(host) // 2] * 1e3:.1f} ms, step {secs[len(secs) // 2] * 1e3:.1f} ms "
-                  f"(min {secs[0] * 1e3:.1f}, max {secs[-1] * 1e3:.1f}), peak allocated "
-                  f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB, reserved {torch.cuda.max_memory_reserved(device) / 2**30:.2f}, "
-                  f"graph calls per step {calls}", flush=True)
-            del model, opt
-            torch._inductor.config._micro_pipeline_tp = False
-            torch.cuda.empty_cache()
-            continue
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(3):
-            step()
-        prof.disable()
-        if rank == 0:
-            text = io.StringIO()
-            stats = pstats.Stats(prof, stream=text)
-            stats.sort_stats("tottime").print_stats(40)
-            stats.sort_stats("cumulative").print_stats(60)
-            with open(os.path.join(out_dir, f"host_{tag}.txt"), "w") as f:
-                f.write(f"{spec}: unprofiled host / step ms per step: {[(round(h * 1e3, 1), round(s * 1e3, 1)) for h, s in plain]}\n")
-                f.write(text.getvalue())
-            print(f"{spec}: host {sorted(h for h, _ in plain)[2] * 1e3:.1f} ms, step {sorted(s for _, s in plain)[2] * 1e3:.1f} ms", flush=True)
-        kernel_breakdown(step, rank, os.path.join(out_dir, f"kernels_{tag}.txt"), spec)
-        if os.environ.get("PROBE_OPS"):  # which ops (and shapes) launch the copies and elementwise kernels
-            ops_by_shape(step, rank, os.path.join(out_dir, f"ops_{tag}.txt"))
-        if os.environ.get("PROBE_TRACE") and rank == 0:  # a chrome trace of one step, rank 0
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                step()
-            prof.export_chrome_trace(os.path.join(out_dir, f"trace_{tag}.json"))
-        elif os.environ.get("PROBE_TRACE"):
-            step()
+        after = graphs.stats()
+        calls = {k: (after[k] - before[k]) // len(plain) for k in after if k != "graphs" and after[k] != before[k]}
+        host, secs = sorted(h for h, _ in plain), sorted(s for _, s in plain)
+        print(f"rank {rank} {spec} graphs={os.environ.get('ASYNCTP_GRAPHS', 'auto')} lag_ms={graphs.LAG_SECONDS * 1e3:g}: "
+              f"host {host[len(host) // 2] * 1e3:.1f} ms, step {secs[len(secs) // 2] * 1e3:.1f} ms "
+              f"(min {secs[0] * 1e3:.1f}, max {secs[-1] * 1e3:.1f}), peak allocated "
+              f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB, reserved {torch.cuda.max_memory_reserved(device) / 2**30:.2f}, "
+              f"graph calls per step {calls}", flush=True)
+        if not os.environ.get("PROBE_PLAIN"):
+            profiles(step, rank, out_dir, spec, plain)
         del model, opt
         torch._inductor.config._micro_pipeline_tp = False  # _build switched it on for torch-async-tp specs
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def profiles(step, rank: int, out_dir: str, spec: str, plain: list[tuple[float, float]]) -> None:
+    """cProfile of 3 steps (rank 0 writes host_<tag>.txt), the kernel breakdown, and with
+    PROBE_OPS / PROBE_TRACE the ops by shape and a chrome trace of one step."""
+    tag = spec.replace(":", "_")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        step()
+    prof.disable()
+    if rank == 0:
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        with open(os.path.join(out_dir, f"host_{tag}.txt"), "w") as f:
+            f.write(f"{spec}: unprofiled host / step ms per step: {[(round(h * 1e3, 1), round(s * 1e3, 1)) for h, s in plain]}\n")
+            f.write(text.getvalue())
+    kernel_breakdown(step, rank, os.path.join(out_dir, f"kernels_{tag}.txt"), spec)
+    if os.environ.get("PROBE_OPS"):  # which ops (and shapes) launch the copies and elementwise kernels
+        ops_by_shape(step, rank, os.path.join(out_dir, f"ops_{tag}.txt"))
+    if os.environ.get("PROBE_TRACE") and rank == 0:  # a chrome trace of one step, rank 0
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{tag}.json"))
+    elif os.environ.get("PROBE_TRACE"):
+        step()
 
 
 _CATEGORIES = (  # first match wins; names as the profiler reports kernels and copies

@@ -7,7 +7,6 @@ pipeline's defaults; `asynctp bench` is the measurement of record.
 
 import json
 import os
-import statistics
 import sys
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -17,6 +16,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from asynctp.bench.timing import time_us  # noqa: E402
+
 SPLITS = [int(s) for s in os.environ.get("PROBE_SPLITS", "1,2,4").split(",")]
 MS = [int(s) for s in os.environ.get("PROBE_M", "2048,4096,8192").split(",")]
 # SM carve-outs to try (ASYNCTP_SM_CARVEOUT) for the default pipeline plan and the ring
@@ -24,28 +25,9 @@ RING_SPLITS = [int(s) for s in os.environ.get("PROBE_RING_SPLITS", "1").split(",
 CARVEOUTS = [int(s) for s in os.environ.get("PROBE_CARVEOUT", "").split(",") if s]
 
 
-def median_us(fn, iters=30, warmup=5, before=None):
-    """fn's median time in us on this GPU (CUDA events around each of `iters` calls after
-    `warmup` calls); before() runs between the warm-up and the timed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    if before is not None:
-        before()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in evs:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in evs) * 1000
-
-
 def timeit(fn, iters=30, warmup=5):
-    """median_us, ranks started together (a barrier), the slowest rank's."""
-    t = torch.tensor([median_us(fn, iters, warmup, before=dist.barrier)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return round(t.item(), 1)
+    """fn's median time in us, ranks started together, the slowest rank's (asynctp.bench.timing)."""
+    return round(time_us(fn, iters, warmup, dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())), 1)
 
 
 def with_env(name, value, fn):

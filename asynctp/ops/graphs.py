@@ -60,6 +60,7 @@ is then paid wherever a key recurs); 0 never captures.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections import OrderedDict, deque
@@ -84,7 +85,7 @@ def _lag_seconds(raw: str) -> float:
         ms = float(raw)
     except ValueError:
         ms = float("nan")
-    if not ms >= 0 or ms == float("inf"):
+    if not (math.isfinite(ms) and ms >= 0):
         raise ValueError(f"{_LAG_ENV} requires a number of milliseconds >= 0, got {raw!r}")
     return ms / 1e3
 
