@@ -234,12 +234,19 @@ def _unique(rows: list[dict[str, Any]], field: str) -> list[str]:
     return seen
 
 
+def _dtype_words(row: dict[str, Any]) -> str:
+    """What the table's numbers compute in: a scaled (fp8) op's row records its output dtype."""
+    if "scaled" in row["op"]:
+        return f"float8_e4m3fn inputs, {row['dtype']} output"
+    return row["dtype"]
+
+
 def markdown(rows: list[dict[str, Any]], title: bool = False) -> str:
     """One op's rows as markdown: where they ran, the table, why any variant is missing."""
     first = rows[0]
     lines = [f"# {first['op']} on {first['hardware']}", ""] if title else []
     lines += [
-        f"{first['world_size']} x {first['device']}, {first['dtype']}, torch {', '.join(_unique(rows, 'torch'))}, "
+        f"{first['world_size']} x {first['device']}, {_dtype_words(first)}, torch {', '.join(_unique(rows, 'torch'))}, "
         f"triton {', '.join(_unique(rows, 'triton')) or 'none'}, measured {', '.join(_unique(rows, 'date'))}, "
         f"median of {', '.join(_unique(rows, 'iters'))} iterations, slowest rank. Times in microseconds.",
         "",

@@ -148,3 +148,10 @@ def test_fp8_rows_are_checked_against_issue_4s_target():
     assert "met: eager auto efficiency >= 0.9 at seed M 4096/8192 (4096: 0.91, 8192: 0.91)" in report.target_notes(fp8)
     assert "NOT met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.91, 8192: 0.91)" in report.target_notes(bf16)
     assert report.target_issue("all_gather_scaled_matmul_tensorwise") == (4, 0.9)
+
+
+def test_fp8_tables_say_what_the_inputs_and_output_are():
+    """A scaled op's row records its output dtype; the table must not read as a bf16 matmul."""
+    fp8 = report.markdown([_row(op="all_gather_scaled_matmul_rowwise")], title=True)
+    assert "2 x NVIDIA H200, float8_e4m3fn inputs, bfloat16 output, torch" in fp8
+    assert "2 x NVIDIA H200, bfloat16, torch" in report.markdown([_row()], title=True)

@@ -1,0 +1,311 @@
+"""Developer probe: does torch's own async-TP pass (inductor's micro-pipeline TP) compute what the
+unfused graph computes, at batch 1 and batch 2, sequence-sharded (gather / scatter dim 1)?
+
+Why: in the demo, vanilla TP compiled with torch's pass ended 30 steps at batch 2 with a loss
+2.6% above vanilla's (tenth, eleventh and thirteenth sessions), while asynctp's stayed within
+3e-4; at batch 1 all agree. Two checks on >= 2 GPUs:
+
+1. ops, exact: all_gather(dim 1) -> matmul and matmul -> reduce_scatter(dim 1) on small-integer
+   bf16 inputs (every dot product exact in fp32, so any correct schedule gives identical bits),
+   compiled with the pass against eager; the generated code is searched for torch's fused ops,
+   so "not fused" and "fused but wrong" are told apart.
+2. exact, per parameter: an embedding (RowwiseParallel to a sequence shard) -> column-parallel ->
+   row-parallel linear + residual, small-integer values, compiled with the pass against without;
+   and the same with attention's view to heads and transposes between the two linears, and with
+   causal SDPA there (compared by relative difference).
+3. the demo model (vanilla sequence-parallel plan), one forward + backward at batch 1 and 2:
+   eager, compiled, compiled with torch's pass, compiled with asynctp's; loss and the relative
+   gradient difference per parameter (those over 5e-2 listed).
+4. (PROBE_PARTS=ablate) the demo model at batch 2 without RoPE, without GQA, with the complex
+   RoPE under compile: which attention feature the wrong gradients need.
+
+    [PROBE_PARTS=ops,exact_block,model] python benchmarks/probe_torch_async_tp_numerics.py OUT_DIR
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+@contextlib.contextmanager
+def torch_pass(group_name):
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        enable(group_name)
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        yield
+
+
+def op_checks(pg, rank, world):
+    import torch._dynamo
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.utils import run_and_get_code
+
+    rows = []
+    S, D, N = 4096, 512, 1024
+    for batch in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        x = torch.randint(-1, 2, (batch, S, D), device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randint(-1, 2, (N, D), device="cuda", generator=g).to(torch.bfloat16)
+        w_rs = torch.randint(-1, 2, (N, D), device="cuda", generator=g).to(torch.bfloat16) * (rank + 1)
+        shard = x.chunk(world, dim=1)[rank].contiguous()
+
+        def ag_mm(shard, w):
+            return funcol.all_gather_tensor(shard, 1, pg) @ w.t()
+
+        def mm_rs(x, w):
+            return funcol.reduce_scatter_tensor(x @ w.t(), "sum", 1, pg)
+
+        for name, fn, args, fused_name in (("ag_mm", ag_mm, (shard, w), "fused_all_gather_matmul"),
+                                           ("mm_rs", mm_rs, (x, w_rs), "fused_matmul_reduce_scatter")):
+            ref = fn(*args)
+            ref = ref.wait() if hasattr(ref, "wait") else ref
+            torch._dynamo.reset()
+            with torch_pass(pg.group_name):
+                got, code = run_and_get_code(torch.compile(fn), *args)
+            fused = any(fused_name in c for c in code)
+            diff = (got.float() - ref.float()).abs()
+            bad = diff > 0
+            rows.append({"op": name, "batch": batch, "fused": fused, "exact": not bool(bad.any()),
+                         "mismatched": int(bad.sum()), "of": diff.numel(), "max_abs_diff": float(diff.max()),
+                         "first_bad_index": bad.nonzero()[0].tolist() if bad.any() else None})
+    return rows
+
+
+def model_checks(pg, rank, world):
+    import torch._dynamo
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.model import SIZES, Transformer
+    from asynctp.demo.plan import parallelize
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this code, eager only
+    mesh = DeviceMesh(device, list(range(world)))
+    rows = []
+    for batch in (1, 2):
+        cfg = dataclasses.replace(SIZES["small" if device == "cuda" else "tiny"], num_layers=2, batch_size=batch)
+        tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(batch, cfg.seq_len).to(device)
+        results = {}
+        variants = ("eager", "compiled", "compiled+torch pass", "compiled+asynctp pass")
+        for variant in variants if device == "cuda" else ("eager", "eager again"):
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Transformer(cfg)
+            model.to(torch.bfloat16)
+            parallelize(model, mesh, asynchronous=False)
+            torch._dynamo.reset()
+            ctx = contextlib.nullcontext()
+            if variant.endswith("torch pass"):
+                ctx = torch_pass(pg.group_name)
+            elif variant.endswith("asynctp pass"):
+                import asynctp.compile
+
+                ctx = asynctp.compile.enabled()
+            with ctx:
+                run = model if variant.startswith("eager") else torch.compile(model)
+                logits = run(tokens[:, :-1])
+                with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                    loss.backward()
+            if isinstance(loss, DTensor):
+                loss = loss.full_tensor()
+            grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+                     for n, p in model.named_parameters()}
+            results[variant] = (loss.item(), grads)
+            del model, run, logits, loss
+        ref_loss, ref_grads = results["eager"]
+        for variant, (loss, grads) in results.items():
+            rel = {n: ((gr - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
+                   for n, gr in grads.items()}
+            where = max(rel, key=rel.get)
+            rows.append({"batch": batch, "variant": variant, "loss": loss, "loss_rel_diff_vs_eager": abs(loss - ref_loss) / abs(ref_loss),
+                         "max_grad_rel_diff_vs_eager": rel[where], "worst_param": where,
+                         "params_over_5e-2": {n: round(v, 4) for n, v in rel.items() if v > 5e-2}})
+    return rows
+
+
+def exact_block_checks(pg, rank, world):
+    """An embedding (vocab-parallel, RowwiseParallel to a sequence shard) -> column-parallel ->
+    row-parallel linear with a residual, on small-integer bf16 values and an integer output
+    gradient, so every gradient is exact in fp32 whatever the schedule: compiled with torch's
+    pass against compiled without it, per parameter, batch 1 and 2."""
+    import torch._dynamo
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Mini(nn.Module):
+        def __init__(self, vocab, dim, hidden):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.w1 = nn.Linear(dim, hidden, bias=False)
+            self.w2 = nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            return self.w2(self.w1(h)) + h
+
+    class Heads(Mini):
+        """The same, with what attention does between the two linears: a view to heads and a
+        transpose there and back around a pointwise op (exact: a multiplication by 2)."""
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            q = self.w1(h)
+            b, s, _ = q.shape
+            heads = q.view(b, s, -1, 64).transpose(1, 2) * 2
+            return self.w2(heads.transpose(1, 2).reshape(b, s, -1)) + h
+
+    class Attn(Mini):
+        """Heads, with causal SDPA (q = k = v) in place of the multiplication: not exact, so
+        compared by the largest relative difference (rounding: ~1e-2 at most; wrong: ~1)."""
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            q = self.w1(h)
+            b, s, _ = q.shape
+            heads = q.view(b, s, -1, 64).transpose(1, 2)
+            att = F.scaled_dot_product_attention(heads, heads, heads, is_causal=True)
+            return self.w2(att.transpose(1, 2).reshape(b, s, -1)) + h
+
+    mesh = DeviceMesh("cuda", list(range(world)))
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "w1": ColwiseParallel(input_layouts=Shard(1)), "w2": RowwiseParallel(output_layouts=Shard(1))}
+    rows = []
+    V, D, H, S = 256, 512, 1024, 4096
+    for (batch, cls) in ((1, Mini), (2, Mini), (1, Heads), (2, Heads), (1, Attn), (2, Attn)):
+        g = torch.Generator(device="cuda").manual_seed(10 + batch)
+        tokens = torch.randint(0, V, (batch, S), device="cuda", generator=g)
+        grad_out = torch.randint(-1, 2, (batch, S // world, D), device="cuda", generator=g).to(torch.bfloat16)
+        grads = {}
+        for variant in ("compiled", "compiled+torch pass"):
+            torch.manual_seed(0)
+            model = cls(V, D, H).to("cuda")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randint(-1, 2, p.shape, generator=torch.Generator().manual_seed(p.numel())).float())
+                    if cls is Attn:
+                        p.mul_(1 / 64)
+            model.to(torch.bfloat16)
+            parallelize_module(model, mesh, plan)
+            torch._dynamo.reset()
+            ctx = torch_pass(pg.group_name) if variant.endswith("pass") else contextlib.nullcontext()
+            with ctx:
+                out = torch.compile(model)(tokens)
+                out = out.to_local() if hasattr(out, "to_local") else out
+                out.backward(grad_out)
+            grads[variant] = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().clone()
+                              for n, p in model.named_parameters()}
+        for n, ref in grads["compiled"].items():
+            got = grads["compiled+torch pass"][n]
+            bad = got != ref
+            rows.append({"model": cls.__name__, "batch": batch, "param": n, "exact": not bool(bad.any()), "mismatched": int(bad.sum()),
+                         "of": bad.numel(), "max_abs_diff": float((got - ref).abs().max()),
+                         "ref_max_abs": float(ref.abs().max()),
+                         "rel_diff": float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))})
+    return rows
+
+
+def ablation_checks(pg, rank, world):
+    """The demo model at batch 2 with one attention feature taken out at a time: compiled with
+    torch's pass against compiled without it, the parameters whose gradients differ by > 5e-2."""
+    import torch._dynamo
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import asynctp.demo.model as demo_model
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.plan import parallelize
+
+    mesh = DeviceMesh("cuda", list(range(world)))
+    base = dataclasses.replace(demo_model.SIZES["small"], num_layers=2, batch_size=2)
+    rope = demo_model.apply_rope
+    cases = (("as is", base, rope), ("no RoPE", base, lambda x, tables: x),
+             ("no GQA", dataclasses.replace(base, num_kv_heads=base.num_heads), rope),
+             ("RoPE as in eager (complex)", base, None))
+    rows = []
+    for name, cfg, apply in cases:
+        tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(2, cfg.seq_len).to("cuda")
+        grads = {}
+        for variant in ("compiled", "compiled+torch pass"):
+            if apply is None:  # the eager branch's complex multiplication under compile too
+                demo_model.apply_rope = _complex_rope
+            else:
+                demo_model.apply_rope = apply
+            try:
+                torch.manual_seed(0)
+                with torch.device("cuda"):
+                    model = demo_model.Transformer(cfg)
+                model.to(torch.bfloat16)
+                parallelize(model, mesh, asynchronous=False)
+                torch._dynamo.reset()
+                with torch_pass(pg.group_name) if variant.endswith("pass") else contextlib.nullcontext():
+                    logits = torch.compile(model)(tokens[:, :-1])
+                    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+                        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+            finally:
+                demo_model.apply_rope = rope
+            grads[variant] = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+                              for n, p in model.named_parameters()}
+            del model, logits
+        rel = {n: ((grads["compiled+torch pass"][n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+               for n, r in grads["compiled"].items()}
+        rows.append({"case": name, "max_rel": max(rel.values()),
+                     "params_over_5e-2": {n: round(v, 3) for n, v in rel.items() if v > 5e-2}})
+    return rows
+
+
+def _complex_rope(x, tables):
+    rotation = torch.view_as_complex(tables[: x.shape[1], None])
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+
+
+def main(rank, world, out):
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="tcp://127.0.0.1:29541", rank=rank, world_size=world)
+    pg = dist.group.WORLD
+    result = {"torch": torch.__version__}
+    parts = os.environ.get("PROBE_PARTS", "ops,exact_block,model").split(",")  # which checks run
+    checks = (("ops", op_checks), ("exact_block", exact_block_checks), ("model", model_checks),
+              ("ablate", ablation_checks))
+    for name, fn in ((n, f) for n, f in checks if n in parts and (cuda or n == "model")):
+        try:
+            result[name] = fn(pg, rank, world)
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next check
+            result[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        if rank == 0:
+            rows = result[name]
+            print(name, *(rows if isinstance(rows, list) else [rows]), sep="\n  ", flush=True)
+    if rank == 0:
+        with open(os.path.join(out, "torch_async_tp_numerics.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.makedirs(sys.argv[1], exist_ok=True)
+    n = torch.cuda.device_count() or 2
+    mp.spawn(main, args=(n, sys.argv[1]), nprocs=n)
