@@ -194,6 +194,61 @@ def compiled_block_matches(device: str, batch: int = 2) -> dict[str, Any]:
     }
 
 
+def demo_model_grads_match(device: str, size: str = "tiny", batch: int = 4, num_layers: int = 2,
+                           dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Rank body: the demo model (GQA, RoPE in real arithmetic under compile, SwiGLU, a
+    vocabulary-parallel embedding and head) with the vanilla sequence-parallel plan, one forward
+    and backward compiled with asynctp's pass against compiled without it. Returns the largest
+    relative difference per parameter (max |diff| / max |ref|), the loss difference and the
+    fusion report's counts. torch 2.11's own pass gets exactly this wrong at batch 2 (gradients
+    off by 0.5-3.4x their magnitude below the second layer's attention; fourteenth session,
+    benchmarks/probe_torch_async_tp_numerics.py): ours must stay at rounding."""
+    import dataclasses
+
+    import torch._dynamo
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import asynctp.compile
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.model import SIZES, Transformer
+    from asynctp.demo.plan import parallelize
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    cfg = dataclasses.replace(SIZES[size], num_layers=num_layers, batch_size=batch)
+    tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(batch, cfg.seq_len).to(device)
+
+    def step(context: Any) -> tuple[float, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Transformer(cfg)
+        model.to(dtype)
+        parallelize(model, mesh, asynchronous=False)
+        torch._dynamo.reset()
+        with context:
+            logits = torch.compile(model)(tokens[:, :-1])
+            with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                loss.backward()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return loss.item(), {n: _local(p.grad).float().clone() for n, p in model.named_parameters()}
+
+    with fresh_compiles():
+        plain_loss, plain = step(contextlib.nullcontext())
+        asynctp.compile.fusion_report(clear=True)
+        fused_loss, fused = step(asynctp.compile.enabled())
+        torch._dynamo.reset()
+    report = asynctp.compile.fusion_report(clear=True)
+    rel = {n: ((fused[n] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() for n, ref in plain.items()}
+    worst = max(rel, key=rel.get)
+    return {
+        "max_rel": rel[worst], "worst": worst, "params": len(rel), "loss_diff": abs(fused_loss - plain_loss),
+        "fused": len(report.fused), "unfused": [r.describe() for r in report.unfused], "text": str(report),
+    }
+
+
 # --- rank side: fp8 (type-erased gather with rowwise scales, scaled matmul -> reduce-scatter) ---
 
 F8 = torch.float8_e4m3fn

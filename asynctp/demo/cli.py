@@ -253,7 +253,7 @@ def _hardware(world: int, device_type: str) -> str:
 
 
 def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_name: str, world: int, backend: str, device_type: str) -> None:
-    from asynctp.demo.report import comparison, table, versions, write_json, write_png
+    from asynctp.demo.report import comparison, loss_notes, table, versions, write_json, write_png
     from asynctp.demo.train import VARIANTS
 
     print()
@@ -283,6 +283,8 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
                   f"{c['max_rel_loss_diff']:.2e}")
             continue
         print(speed_line(name, runs[0]["name"], c))
+    for line in loss_notes(runs[0]["name"], compared, settings.cfg.batch_size):
+        print(line)
     serial = [r for r in runs if r["name"] == VARIANTS["asynctp-serial"].name]
     if serial:  # what the overlap alone buys: asynctp against its own styles not overlapped
         c = compared[f"{runs[1]['name']} vs {serial[0]['name']}"] = comparison(serial[0], runs[1])

@@ -9,7 +9,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["table", "comparison", "write_json", "write_png", "versions"]
+__all__ = ["table", "comparison", "loss_notes", "write_json", "write_png", "versions", "LOSS_AGREEMENT"]
+
+# issue 5's bf16 agreement: a loss curve within this relative difference of vanilla TP's per step
+LOSS_AGREEMENT = 1e-2
+_TORCH_PASS_RUN = "torch async TP (compiled)"
 
 
 def _memory(field: str) -> Any:
@@ -65,6 +69,26 @@ def comparison(vanilla: dict[str, Any], other: dict[str, Any], no_comm: dict[str
         if floor > 0:
             out["recovered_fraction_of_comm_cost"] = out["step_time_saved_ms"] / floor
     return out
+
+
+def loss_notes(base: str, compared: dict[str, dict[str, Any]], batch_size: int) -> list[str]:
+    """A line for each run whose loss curve left `base`'s by more than LOSS_AGREEMENT: how far,
+    and what rounding alone does (the --control run, when there is one). Printed, never silent:
+    a curve that leaves vanilla's may be rounding over many steps, or wrong gradients."""
+    control = next((c for name, c in compared.items() if "1-ulp" in name), None)
+    notes = []
+    for name, c in compared.items():
+        diff = c.get("max_rel_loss_diff", 0.0)
+        if "1-ulp" in name or not diff > LOSS_AGREEMENT:
+            continue
+        line = f"note: {name}'s loss curve left {base}'s by {diff:.2e} at some step (> {LOSS_AGREEMENT:g}); "
+        line += (f"rounding alone (the 1-ulp control) moved it by {control['max_rel_loss_diff']:.2e}" if control
+                 else "add --control to see how far rounding alone moves it")
+        if name == _TORCH_PASS_RUN and batch_size > 1:
+            line += ("; torch 2.11's async-TP pass computed wrong gradients for this model at batch > 1 (GQA with the "
+                     "compiled RoPE; benchmarks/probe_torch_async_tp_numerics.py checks a torch release)")
+        notes.append(line)
+    return notes
 
 
 def versions() -> dict[str, str]:

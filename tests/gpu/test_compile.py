@@ -25,6 +25,19 @@ def test_compiled_block_batch1_same_loss_and_grads(pool):
     assert got["matmuls"] == [1, 1, 2, 3], got["text"]
 
 
+def test_compiled_demo_model_grads_match_without_the_pass(pool):
+    """bf16, the `small` demo model with 2 layers at batch 2, where torch 2.11's own async-TP pass
+    computes gradients off by 0.5-3.4x their magnitude (fourteenth session): asynctp's pass stays
+    at rounding (it measured 1.8e-2 from eager there, as compiled without any pass does)."""
+    import torch
+
+    got = pool.run(cases_compile.demo_model_grads_match, "cuda", "small", 2, 2, torch.bfloat16, timeout=900)[0]
+    # all but the embedding's reduce-scatter and its backward gather (no matmul there)
+    assert got["fused"] > 0 and len(got["unfused"]) == 2, got["text"]
+    assert all("not a matmul" in u or "feeds no matmul" in u for u in got["unfused"]), got["text"]
+    assert got["max_rel"] <= 5e-2, got
+
+
 def test_compiled_fp8_same_result(pool):
     got = pool.run(cases_compile.compiled_fp8_matches, "cuda", timeout=600)[0]
     assert got["graphs"] == 1, got["text"]  # one graph: no break kept a gather out of the pass

@@ -13,7 +13,7 @@ from asynctp.demo.data import MarkovTokens
 from asynctp.demo.model import SIZES, ModelConfig, RMSNorm, Transformer, apply_rope, rope_tables
 from asynctp.demo.plan import tp_plan
 from asynctp.demo.profile import exposed_time
-from asynctp.demo.report import comparison, table
+from asynctp.demo.report import comparison, loss_notes, table
 
 TINY = SIZES["tiny"]
 
@@ -144,6 +144,18 @@ def test_table_and_comparison():
     assert c["speedup"] == pytest.approx(0.2 / 0.17)
     assert c["recovered_fraction_of_exposed_comm"] == pytest.approx(30.0 / 40.0)
     assert c["max_rel_loss_diff"] == pytest.approx(5e-6)
+
+
+def test_loss_notes_name_curves_that_leave_vanillas():
+    compared = {"asynctp": {"max_rel_loss_diff": 2e-4}, "torch async TP (compiled)": {"max_rel_loss_diff": 2.6e-2}}
+    (line,) = loss_notes("vanilla TP", compared, batch_size=2)
+    assert line.startswith("note: torch async TP (compiled)'s loss curve left vanilla TP's by 2.60e-02")
+    assert "add --control" in line and "wrong gradients" in line
+    # batch 1: the torch release's known fault does not apply; with a control its number is given
+    compared["vanilla TP, 1-ulp init change"] = {"max_rel_loss_diff": 3e-2}
+    (line,) = loss_notes("vanilla TP", compared, batch_size=1)
+    assert "the 1-ulp control) moved it by 3.00e-02" in line and "wrong gradients" not in line
+    assert loss_notes("vanilla TP", {"asynctp": {"max_rel_loss_diff": 1e-2}}, batch_size=2) == []
 
 
 def test_custom_config_is_frozen():
