@@ -43,7 +43,7 @@ def test_compiled_demo_model_grads_match_without_the_pass(pool):
     assert got["fused"] > 0 and len(got["unfused"]) == 2, got["text"]
     assert all("not a matmul" in u or "feeds no matmul" in u for u in got["unfused"]), got["text"]
     assert got["max_rel"] <= 1e-5, got
-    assert got["loss_diff"] <= 1e-5 * 10, got
+    assert got["loss_diff"] <= 1e-4, got  # a loss near 4: float32 rounding
 
 
 @needs_cpu_rowwise
