@@ -18,6 +18,8 @@ Why: in the demo, vanilla TP compiled with torch's pass ended 30 steps at batch 
    gradient difference per parameter (those over 5e-2 listed).
 4. (PROBE_PARTS=ablate) the demo model at batch 2 without RoPE, without GQA, with the complex
    RoPE under compile: which attention feature the wrong gradients need.
+5. (PROBE_PARTS=code, PROBE_LAYERS=1) inductor's generated code with and without the pass, for
+   diffing (which rewritten op feeds the wrong gradient), and that case's gradient differences.
 
     [PROBE_PARTS=ops,exact_block,model] python benchmarks/probe_torch_async_tp_numerics.py OUT_DIR
 """
@@ -275,6 +277,57 @@ def ablation_checks(pg, rank, world):
     return rows
 
 
+def code_dump(pg, rank, world, out=None):
+    """The demo model (`small`, PROBE_LAYERS layers, default 1) at batch 2, one forward + backward
+    compiled with and without torch's pass: inductor's generated code of every graph (forward and
+    backward) written to OUT/code_<variant>_<i>.py on rank 0 (to diff: which rewrite feeds what),
+    and the gradient differences as in ablation_checks."""
+    import torch._dynamo
+    import torch.nn.functional as F
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from asynctp.demo.data import MarkovTokens
+    from asynctp.demo.model import SIZES, Transformer
+    from asynctp.demo.plan import parallelize
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run, the pass left off
+    mesh = DeviceMesh(device, list(range(world)))
+    size = "small" if device == "cuda" else "tiny"
+    cfg = dataclasses.replace(SIZES[size], num_layers=int(os.environ.get("PROBE_LAYERS", "1")), batch_size=2)
+    tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(2, cfg.seq_len).to(device)
+    grads, files = {}, []
+    for variant in ("compiled", "torch pass"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Transformer(cfg)
+        model.to(torch.bfloat16)
+        parallelize(model, mesh, asynchronous=False)
+        torch._dynamo.reset()
+
+        def step():
+            logits = torch.compile(model)(tokens[:, :-1])
+            with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+                F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+
+        with torch_pass(pg.group_name) if variant == "torch pass" and device == "cuda" else contextlib.nullcontext():
+            _, codes = run_and_get_code(step)
+        if rank == 0 and out is not None:
+            for i, code in enumerate(codes):
+                path = os.path.join(out, f"code_{variant.replace(' ', '_')}_{i}.py")
+                with open(path, "w") as f:
+                    f.write(code)
+                files.append(os.path.basename(path))
+        grads[variant] = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+                          for n, p in model.named_parameters()}
+    rel = {n: ((grads["torch pass"][n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+           for n, r in grads["compiled"].items()}
+    return [{"layers": cfg.num_layers, "max_rel": max(rel.values()),
+             "params_over_5e-2": {n: round(v, 3) for n, v in rel.items() if v > 5e-2}, "code_files": files}]
+
+
 def _complex_rope(x, tables):
     rotation = torch.view_as_complex(tables[: x.shape[1], None])
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
@@ -290,8 +343,8 @@ def main(rank, world, out):
     result = {"torch": torch.__version__}
     parts = os.environ.get("PROBE_PARTS", "ops,exact_block,model").split(",")  # which checks run
     checks = (("ops", op_checks), ("exact_block", exact_block_checks), ("model", model_checks),
-              ("ablate", ablation_checks))
-    for name, fn in ((n, f) for n, f in checks if n in parts and (cuda or n == "model")):
+              ("ablate", ablation_checks), ("code", lambda *a: code_dump(*a, out=out)))
+    for name, fn in ((n, f) for n, f in checks if n in parts and (cuda or n in ("model", "code"))):
         try:
             result[name] = fn(pg, rank, world)
         except Exception as exc:  # noqa: BLE001 - report and go on to the next check
