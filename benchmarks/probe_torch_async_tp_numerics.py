@@ -26,6 +26,7 @@ Why: in the demo, vanilla TP compiled with torch's pass ended 30 steps at batch 
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -86,55 +87,92 @@ def op_checks(pg, rank, world):
     return rows
 
 
-def model_checks(pg, rank, world):
-    import torch._dynamo
-    import torch.nn.functional as F
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the code, no pass
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(world):
+    """One mesh for every model of the process (a compile after an eager step on a second mesh
+    failed in inductor on CPU: "Node tangents_2 was invalid, but is output")."""
     from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(_device(), list(range(world)))
+
+
+def _demo_model(cfg, world):
+    """The demo model from seed 0, bf16, sharded with the vanilla sequence-parallel plan."""
+    import torch._dynamo
+
+    import asynctp.demo.model as demo_model
+    from asynctp.demo.plan import parallelize
+
+    torch.manual_seed(0)
+    with torch.device(_device()):
+        model = demo_model.Transformer(cfg)
+    model.to(torch.bfloat16)
+    parallelize(model, _mesh(world), asynchronous=False)
+    torch._dynamo.reset()
+    return model
+
+
+def _tokens(cfg):
+    from asynctp.demo.data import MarkovTokens
+
+    return MarkovTokens(cfg.vocab_size, seed=0).batch(cfg.batch_size, cfg.seq_len).to(_device())
+
+
+def _step(run, tokens):
+    """Forward, the vocabulary-parallel loss and backward; the loss (a float)."""
+    import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from asynctp.demo.data import MarkovTokens
-    from asynctp.demo.model import SIZES, Transformer
-    from asynctp.demo.plan import parallelize
+    logits = run(tokens[:, :-1])
+    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this code, eager only
-    mesh = DeviceMesh(device, list(range(world)))
+
+def _grads(model):
+    return {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().clone()
+            for n, p in model.named_parameters()}
+
+
+def _rel(grads, ref):
+    """max |grad - ref| / max |ref| per parameter."""
+    return {n: ((g - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-12)).item() for n, g in grads.items()}
+
+
+def _context(variant, pg):
+    if variant.endswith("torch pass") and _device() == "cuda":
+        return torch_pass(pg.group_name)
+    if variant.endswith("asynctp pass"):
+        import asynctp.compile
+
+        return asynctp.compile.enabled()
+    return contextlib.nullcontext()
+
+
+def model_checks(pg, rank, world):
+    from asynctp.demo.model import SIZES
+
     rows = []
     for batch in (1, 2):
-        cfg = dataclasses.replace(SIZES["small" if device == "cuda" else "tiny"], num_layers=2, batch_size=batch)
-        tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(batch, cfg.seq_len).to(device)
+        cfg = dataclasses.replace(SIZES["small" if _device() == "cuda" else "tiny"], num_layers=2, batch_size=batch)
+        tokens = _tokens(cfg)
         results = {}
         variants = ("eager", "compiled", "compiled+torch pass", "compiled+asynctp pass")
-        for variant in variants if device == "cuda" else ("eager", "eager again"):
-            torch.manual_seed(0)
-            with torch.device(device):
-                model = Transformer(cfg)
-            model.to(torch.bfloat16)
-            parallelize(model, mesh, asynchronous=False)
-            torch._dynamo.reset()
-            ctx = contextlib.nullcontext()
-            if variant.endswith("torch pass"):
-                ctx = torch_pass(pg.group_name)
-            elif variant.endswith("asynctp pass"):
-                import asynctp.compile
-
-                ctx = asynctp.compile.enabled()
-            with ctx:
-                run = model if variant.startswith("eager") else torch.compile(model)
-                logits = run(tokens[:, :-1])
-                with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-                    loss.backward()
-            if isinstance(loss, DTensor):
-                loss = loss.full_tensor()
-            grads = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().clone()
-                     for n, p in model.named_parameters()}
-            results[variant] = (loss.item(), grads)
-            del model, run, logits, loss
+        for variant in variants if _device() == "cuda" else ("eager", "eager again"):
+            model = _demo_model(cfg, world)
+            with _context(variant, pg):
+                loss = _step(model if variant.startswith("eager") else torch.compile(model), tokens)
+            results[variant] = (loss, _grads(model))
+            del model
         ref_loss, ref_grads = results["eager"]
         for variant, (loss, grads) in results.items():
-            rel = {n: ((gr - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
-                   for n, gr in grads.items()}
+            rel = _rel(grads, ref_grads)
             where = max(rel, key=rel.get)
             rows.append({"batch": batch, "variant": variant, "loss": loss, "loss_rel_diff_vs_eager": abs(loss - ref_loss) / abs(ref_loss),
                          "max_grad_rel_diff_vs_eager": rel[where], "worst_param": where,
@@ -229,49 +267,28 @@ def exact_block_checks(pg, rank, world):
 def ablation_checks(pg, rank, world):
     """The demo model at batch 2 with one attention feature taken out at a time: compiled with
     torch's pass against compiled without it, the parameters whose gradients differ by > 5e-2."""
-    import torch._dynamo
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
     import asynctp.demo.model as demo_model
-    from asynctp.demo.data import MarkovTokens
-    from asynctp.demo.plan import parallelize
 
-    mesh = DeviceMesh("cuda", list(range(world)))
     base = dataclasses.replace(demo_model.SIZES["small"], num_layers=2, batch_size=2)
     rope = demo_model.apply_rope
     cases = (("as is", base, rope), ("no RoPE", base, lambda x, tables: x),
              ("no GQA", dataclasses.replace(base, num_kv_heads=base.num_heads), rope),
-             ("RoPE as in eager (complex)", base, None))
+             ("RoPE as in eager (complex)", base, _complex_rope))  # complex multiplication under compile too
     rows = []
     for name, cfg, apply in cases:
-        tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(2, cfg.seq_len).to("cuda")
+        tokens = _tokens(cfg)
         grads = {}
         for variant in ("compiled", "compiled+torch pass"):
-            if apply is None:  # the eager branch's complex multiplication under compile too
-                demo_model.apply_rope = _complex_rope
-            else:
-                demo_model.apply_rope = apply
+            demo_model.apply_rope = apply
             try:
-                torch.manual_seed(0)
-                with torch.device("cuda"):
-                    model = demo_model.Transformer(cfg)
-                model.to(torch.bfloat16)
-                parallelize(model, mesh, asynchronous=False)
-                torch._dynamo.reset()
-                with torch_pass(pg.group_name) if variant.endswith("pass") else contextlib.nullcontext():
-                    logits = torch.compile(model)(tokens[:, :-1])
-                    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-                        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+                model = _demo_model(cfg, world)
+                with _context(variant, pg):
+                    _step(torch.compile(model), tokens)
             finally:
                 demo_model.apply_rope = rope
-            grads[variant] = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().clone()
-                              for n, p in model.named_parameters()}
-            del model, logits
-        rel = {n: ((grads["compiled+torch pass"][n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
-               for n, r in grads["compiled"].items()}
+            grads[variant] = _grads(model)
+            del model
+        rel = _rel(grads["compiled+torch pass"], grads["compiled"])
         rows.append({"case": name, "max_rel": max(rel.values()),
                      "params_over_5e-2": {n: round(v, 3) for n, v in rel.items() if v > 5e-2}})
     return rows
@@ -282,48 +299,27 @@ def code_dump(pg, rank, world, out=None):
     compiled with and without torch's pass: inductor's generated code of every graph (forward and
     backward) written to OUT/code_<variant>_<i>.py on rank 0 (to diff: which rewrite feeds what),
     and the gradient differences as in ablation_checks."""
-    import torch._dynamo
-    import torch.nn.functional as F
     from torch._inductor.utils import run_and_get_code
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
-    from asynctp.demo.data import MarkovTokens
-    from asynctp.demo.model import SIZES, Transformer
-    from asynctp.demo.plan import parallelize
+    from asynctp.demo.model import SIZES
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run, the pass left off
-    mesh = DeviceMesh(device, list(range(world)))
-    size = "small" if device == "cuda" else "tiny"
+    size = "small" if _device() == "cuda" else "tiny"
     cfg = dataclasses.replace(SIZES[size], num_layers=int(os.environ.get("PROBE_LAYERS", "1")), batch_size=2)
-    tokens = MarkovTokens(cfg.vocab_size, seed=0).batch(2, cfg.seq_len).to(device)
+    tokens = _tokens(cfg)
     grads, files = {}, []
     for variant in ("compiled", "torch pass"):
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Transformer(cfg)
-        model.to(torch.bfloat16)
-        parallelize(model, mesh, asynchronous=False)
-        torch._dynamo.reset()
-
-        def step():
-            logits = torch.compile(model)(tokens[:, :-1])
-            with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-                F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
-
-        with torch_pass(pg.group_name) if variant == "torch pass" and device == "cuda" else contextlib.nullcontext():
-            _, codes = run_and_get_code(step)
+        model = _demo_model(cfg, world)
+        with _context(variant, pg):
+            _, codes = run_and_get_code(_step, torch.compile(model), tokens)
         if rank == 0 and out is not None:
             for i, code in enumerate(codes):
                 path = os.path.join(out, f"code_{variant.replace(' ', '_')}_{i}.py")
                 with open(path, "w") as f:
                     f.write(code)
                 files.append(os.path.basename(path))
-        grads[variant] = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float().clone()
-                          for n, p in model.named_parameters()}
-    rel = {n: ((grads["torch pass"][n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
-           for n, r in grads["compiled"].items()}
+        grads[variant] = _grads(model)
+        del model
+    rel = _rel(grads["torch pass"], grads["compiled"])
     return [{"layers": cfg.num_layers, "max_rel": max(rel.values()),
              "params_over_5e-2": {n: round(v, 3) for n, v in rel.items() if v > 5e-2}, "code_files": files}]
 
