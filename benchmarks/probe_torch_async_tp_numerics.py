@@ -16,8 +16,9 @@ Why: in the demo, vanilla TP compiled with torch's pass ended 30 steps at batch 
 3. the demo model (vanilla sequence-parallel plan), one forward + backward at batch 1 and 2:
    eager, compiled, compiled with torch's pass, compiled with asynctp's; loss and the relative
    gradient difference per parameter (those over 5e-2 listed).
-4. (PROBE_PARTS=ablate) the demo model at batch 2 without RoPE, without GQA, with the complex
-   RoPE under compile: which attention feature the wrong gradients need.
+4. (PROBE_PARTS=ablate, PROBE_CASES=a comma list of case names to run only those) the demo model
+   at batch 2 without RoPE, without GQA, with the complex RoPE under compile, with cuDNN's
+   attention off: which feature the wrong gradients need.
 5. (PROBE_PARTS=code, PROBE_LAYERS=1) inductor's generated code with and without the pass, for
    diffing (which rewritten op feeds the wrong gradient), and that case's gradient differences.
 
@@ -271,21 +272,29 @@ def ablation_checks(pg, rank, world):
 
     base = dataclasses.replace(demo_model.SIZES["small"], num_layers=2, batch_size=2)
     rope = demo_model.apply_rope
-    cases = (("as is", base, rope), ("no RoPE", base, lambda x, tables: x),
-             ("no GQA", dataclasses.replace(base, num_kv_heads=base.num_heads), rope),
-             ("RoPE as in eager (complex)", base, _complex_rope))  # complex multiplication under compile too
+    cases = (("as is", base, rope, True), ("no RoPE", base, lambda x, tables: x, True),
+             ("no GQA", dataclasses.replace(base, num_kv_heads=base.num_heads), rope, True),
+             ("RoPE as in eager (complex)", base, _complex_rope, True),  # complex multiplication under compile too
+             # the seventh session's cuDNN finding: its bf16 attention backward returned wrong
+             # gradients for an output gradient whose batch stride is below its sequence stride
+             ("cuDNN attention off", base, rope, False))
+    only = os.environ.get("PROBE_CASES")
+    cases = [c for c in cases if only is None or c[0] in only.split(",")]
     rows = []
-    for name, cfg, apply in cases:
+    for name, cfg, apply, cudnn in cases:
         tokens = _tokens(cfg)
         grads = {}
         for variant in ("compiled", "compiled+torch pass"):
             demo_model.apply_rope = apply
+            cudnn_was = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
             try:
                 model = _demo_model(cfg, world)
                 with _context(variant, pg):
                     _step(torch.compile(model), tokens)
             finally:
                 demo_model.apply_rope = rope
+                torch.backends.cuda.enable_cudnn_sdp(cudnn_was)
             grads[variant] = _grads(model)
             del model
         rel = _rel(grads["compiled+torch pass"], grads["compiled"])
