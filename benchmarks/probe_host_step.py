@@ -36,7 +36,7 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
 
     from asynctp.demo.data import MarkovTokens
     from asynctp.demo.model import SIZES
-    from asynctp.demo.train import VARIANTS, TrainSettings, _build, _queue_step
+    from asynctp.demo.train import VARIANTS, TrainSettings, _build
     from asynctp.ops import graphs
 
     torch.cuda.set_device(rank)
@@ -53,18 +53,7 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
                                  compile=mode == ["compile"])
         model = _build(VARIANTS[name], settings, mesh, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        data = MarkovTokens(cfg.vocab_size, seed=0)
-
-        def step() -> tuple[float, float]:
-            tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            loss = _queue_step(model, opt, tokens)
-            host = time.perf_counter() - start
-            loss.item()
-            torch.cuda.synchronize()
-            return host, time.perf_counter() - start
-
+        step = _stepper(model, opt, MarkovTokens(cfg.vocab_size, seed=0), cfg, device)
         for _ in range(8):
             step()
         torch.cuda.reset_peak_memory_stats(device)
@@ -85,6 +74,23 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _stepper(model, opt, data, cfg, device):
+    """step(): one timed training step, (host seconds, step seconds)."""
+    from asynctp.demo.train import _queue_step
+
+    def step() -> tuple[float, float]:
+        tokens = data.batch(cfg.batch_size, cfg.seq_len).to(device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = _queue_step(model, opt, tokens)
+        host = time.perf_counter() - start
+        loss.item()
+        torch.cuda.synchronize()
+        return host, time.perf_counter() - start
+
+    return step
 
 
 def profiles(step, rank: int, out_dir: str, spec: str, plain: list[tuple[float, float]]) -> None:

@@ -80,7 +80,7 @@ class Float8Matmuls:
         self, x_shard: torch.Tensor, weights: list[torch.Tensor], biases: list, config: Any
     ) -> tuple[None, list[torch.Tensor]]:
         """(None, outs): outs[i] = x_gathered @ weights[i].t() + biases[i], fp8 inputs."""
-        api, recipe = self.api, self.recipe
+        recipe = self.recipe
         x_fp8, x_scale = self._quantize("x", x_shard, recipe.activation_dtype, config.group_name)
         bs, b_scales = [], []
         for i, w in enumerate(weights):
