@@ -3,7 +3,7 @@ unfused graph computes, at batch 1 and batch 2, sequence-sharded (gather / scatt
 
 Why: in the demo, vanilla TP compiled with torch's pass ended 30 steps at batch 2 with a loss
 2.6% above vanilla's (tenth, eleventh and thirteenth sessions), while asynctp's stayed within
-3e-4; at batch 1 all agree. Two checks on >= 2 GPUs:
+3e-4; at batch 1 all agree. Checks on >= 2 GPUs (PROBE_PARTS picks; default 1-3):
 
 1. ops, exact: all_gather(dim 1) -> matmul and matmul -> reduce_scatter(dim 1) on small-integer
    bf16 inputs (every dot product exact in fp32, so any correct schedule gives identical bits),
@@ -124,16 +124,11 @@ def _tokens(cfg):
 
 
 def _step(run, tokens):
-    """Forward, the vocabulary-parallel loss and backward; the loss (a float)."""
-    import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
+    """The demo's forward, loss and backward (asynctp.demo.train); the loss (a float)."""
+    from asynctp.demo.train import loss_and_backward
 
-    logits = run(tokens[:, :-1])
-    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+    loss = loss_and_backward(run, tokens)
+    return (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).item()
 
 
 def _grads(model):
@@ -189,7 +184,6 @@ def exact_block_checks(pg, rank, world):
     import torch._dynamo
     import torch.nn.functional as F
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -227,7 +221,7 @@ def exact_block_checks(pg, rank, world):
             att = F.scaled_dot_product_attention(heads, heads, heads, is_causal=True)
             return self.w2(att.transpose(1, 2).reshape(b, s, -1)) + h
 
-    mesh = DeviceMesh("cuda", list(range(world)))
+    mesh = _mesh(world)
     plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "w1": ColwiseParallel(input_layouts=Shard(1)), "w2": RowwiseParallel(output_layouts=Shard(1))}
     rows = []
@@ -253,8 +247,7 @@ def exact_block_checks(pg, rank, world):
                 out = torch.compile(model)(tokens)
                 out = out.to_local() if hasattr(out, "to_local") else out
                 out.backward(grad_out)
-            grads[variant] = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().clone()
-                              for n, p in model.named_parameters()}
+            grads[variant] = _grads(model)
         for n, ref in grads["compiled"].items():
             got = grads["compiled+torch pass"][n]
             bad = got != ref
@@ -274,7 +267,7 @@ def ablation_checks(pg, rank, world):
     rope = demo_model.apply_rope
     cases = (("as is", base, rope, True), ("no RoPE", base, lambda x, tables: x, True),
              ("no GQA", dataclasses.replace(base, num_kv_heads=base.num_heads), rope, True),
-             ("RoPE as in eager (complex)", base, _complex_rope, True),  # complex multiplication under compile too
+             ("RoPE as in eager (complex)", base, demo_model.rope_complex, True),  # under compile too
              # the seventh session's cuDNN finding: its bf16 attention backward returned wrong
              # gradients for an output gradient whose batch stride is below its sequence stride
              ("cuDNN attention off", base, rope, False))
@@ -331,12 +324,6 @@ def code_dump(pg, rank, world, out=None):
     rel = _rel(grads["torch pass"], grads["compiled"])
     return [{"layers": cfg.num_layers, "max_rel": max(rel.values()),
              "params_over_5e-2": {n: round(v, 3) for n, v in rel.items() if v > 5e-2}, "code_files": files}]
-
-
-def _complex_rope(x, tables):
-    rotation = torch.view_as_complex(tables[: x.shape[1], None])
-    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 def main(rank, world, out):

@@ -206,15 +206,14 @@ def demo_model_grads_match(device: str, size: str = "tiny", batch: int = 4, num_
     import dataclasses
 
     import torch._dynamo
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
 
     import asynctp.compile
     from asynctp.demo.data import MarkovTokens
     from asynctp.demo.model import SIZES, Transformer
     from asynctp.demo.plan import parallelize
+    from asynctp.demo.train import loss_and_backward
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     cfg = dataclasses.replace(SIZES[size], num_layers=num_layers, batch_size=batch)
@@ -228,10 +227,7 @@ def demo_model_grads_match(device: str, size: str = "tiny", batch: int = 4, num_
         parallelize(model, mesh, asynchronous=False)
         torch._dynamo.reset()
         with context:
-            logits = torch.compile(model)(tokens[:, :-1])
-            with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-                loss.backward()
+            loss = loss_and_backward(torch.compile(model), tokens)
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return loss.item(), {n: _local(p.grad).float().clone() for n, p in model.named_parameters()}
 

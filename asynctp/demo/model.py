@@ -101,12 +101,20 @@ def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     in float32. Eager: one complex multiplication (three kernels each way, not ten). Compiled:
     the same rotation in real arithmetic, which inductor fuses (it generates no code for complex
     operators and falls back to eager kernels for them)."""
-    if torch.compiler.is_compiling():
-        pairs = x.float().unflatten(-1, (-1, 2))
-        cos, sin = tables[: x.shape[1], None, :, 0], tables[: x.shape[1], None, :, 1]
-        real = pairs[..., 0] * cos - pairs[..., 1] * sin
-        imag = pairs[..., 0] * sin + pairs[..., 1] * cos
-        return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
+    return rope_real(x, tables) if torch.compiler.is_compiling() else rope_complex(x, tables)
+
+
+def rope_real(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """apply_rope in real arithmetic (what inductor fuses)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = tables[: x.shape[1], None, :, 0], tables[: x.shape[1], None, :, 1]
+    real = pairs[..., 0] * cos - pairs[..., 1] * sin
+    imag = pairs[..., 0] * sin + pairs[..., 1] * cos
+    return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
+
+
+def rope_complex(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """apply_rope as one complex multiplication (few eager kernels)."""
     rotation = torch.view_as_complex(tables[: x.shape[1], None])  # [S, 1, Dh / 2]
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)

@@ -13,7 +13,6 @@ __all__ = ["table", "comparison", "loss_notes", "write_json", "write_png", "vers
 
 # issue 5's bf16 agreement: a loss curve within this relative difference of vanilla TP's per step
 LOSS_AGREEMENT = 1e-2
-_TORCH_PASS_RUN = "torch async TP (compiled)"
 
 
 def _memory(field: str) -> Any:
@@ -75,16 +74,19 @@ def loss_notes(base: str, compared: dict[str, dict[str, Any]], batch_size: int) 
     """A line for each run whose loss curve left `base`'s by more than LOSS_AGREEMENT: how far,
     and what rounding alone does (the --control run, when there is one). Printed, never silent:
     a curve that leaves vanilla's may be rounding over many steps, or wrong gradients."""
-    control = next((c for name, c in compared.items() if "1-ulp" in name), None)
+    from asynctp.demo.train import VARIANTS
+
+    control_name, torch_pass_name = VARIANTS["control"].name, VARIANTS["torch-async-tp"].name
+    control = compared.get(control_name)
     notes = []
     for name, c in compared.items():
         diff = c.get("max_rel_loss_diff", 0.0)
-        if "1-ulp" in name or not diff > LOSS_AGREEMENT:
+        if name == control_name or not diff > LOSS_AGREEMENT:
             continue
         line = f"note: {name}'s loss curve left {base}'s by {diff:.2e} at some step (> {LOSS_AGREEMENT:g}); "
         line += (f"rounding alone (the 1-ulp control) moved it by {control['max_rel_loss_diff']:.2e}" if control
                  else "add --control to see how far rounding alone moves it")
-        if name == _TORCH_PASS_RUN and batch_size > 1:
+        if name == torch_pass_name and batch_size > 1:
             line += ("; torch 2.11's async-TP pass computed wrong gradients for this model at batch > 1 (GQA with the "
                      "compiled RoPE; benchmarks/probe_torch_async_tp_numerics.py checks a torch release)")
         notes.append(line)

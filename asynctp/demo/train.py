@@ -298,14 +298,19 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tens
     return _queue_step(model, opt, tokens).item()
 
 
+def loss_and_backward(model: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of tokens [B, S + 1] and its backward, queued; the loss (a DTensor
+    where the logits are sharded over the vocabulary: loss_parallel never gathers them)."""
+    logits = model(tokens[:, :-1])
+    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+    return loss
+
+
 def _queue_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
     """One training step queued on the device; the loss (not yet waited for)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(inputs)
-    # logits are sharded over the vocabulary: loss_parallel never gathers them
-    with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+    loss = loss_and_backward(model, tokens)
     opt.step()
     opt.zero_grad(set_to_none=True)
     if isinstance(loss, DTensor):
