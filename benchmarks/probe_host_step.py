@@ -11,8 +11,8 @@ and prints the host / step time per variant; then, with a CUDA-only torch profil
 number of steps, OUT_DIR/kernels_<variant>_<recipe>.txt: device time per step by kernel category
 (GEMM, quantization, elementwise, NCCL, copies, ...) and the top kernels, rank 0. PROBE_OPS=1:
 also OUT_DIR/ops_<variant>_<recipe>.txt, aten ops by device time grouped by input shapes.
-Every rank prints its unprofiled steps' (PROBE_STEPS of them, default 5) median host and step
-time, peak memory and graph-cache calls per step; PROBE_PLAIN=1: that only, no profiles.
+Every rank prints its unprofiled steps' (PROBE_STEPS of them, default 5, after PROBE_WARMUP
+steps, default 8) median host and step time, peak memory and graph-cache calls per step; PROBE_PLAIN=1: that only, no profiles.
 """
 
 import cProfile
@@ -54,7 +54,7 @@ def rank_main(rank: int, world: int, out_dir: str, specs: list[str]) -> None:
         model = _build(VARIANTS[name], settings, mesh, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         step = _stepper(model, opt, MarkovTokens(cfg.vocab_size, seed=0), cfg, device)
-        for _ in range(8):
+        for _ in range(int(os.environ.get("PROBE_WARMUP", "8"))):  # more where keys' addresses settle late
             step()
         torch.cuda.reset_peak_memory_stats(device)
         before = graphs.stats()

@@ -134,6 +134,46 @@ def matmul_reduce_scatter_grid(device: str, dtype_name: str, strategy: str) -> i
     return count
 
 
+def matmul_sum_reduce_scatter_grid(device: str, dtype_name: str, strategy: str) -> int:
+    """matmul_sum_reduce_scatter (sum_i a_i @ b_i, reduce-scattered; the column-parallel dgrad of
+    weights sharing a gather) against the reference of the concatenated problem, atol=0 (small
+    integers: every rounding exact), 1-3 terms of different K, every scatter dim,
+    a batch of 2 behind the scatter dim, the last dim (b's columns scattered), bias, avg; then
+    its argument errors."""
+    from asynctp.ops.matmul_reduce_scatter import matmul_sum_reduce_scatter
+
+    dtype = DTYPES[dtype_name]
+    rank, ws = world()
+    g = dist.group.WORLD
+    n, count = 4 * ws, 0
+    for shape, dims in (([2 * ws], (0, -1)), ([2, 3 * ws], (1, -1)), ([ws, 2 * ws], (0, 1))):  # leading dims; K per term
+        for scatter_dim in dims:
+            for ks, with_bias, reduce_op in (((8,), False, "sum"), ((8, 4), True, "sum"), ((6, 2, 2), False, "avg")):
+                scale = ws if reduce_op == "avg" else 1
+                parts = [[ints([*shape, k], count * 100 + 7 * r + i, dtype, device) * scale for i, k in enumerate(ks)]
+                         for r in range(ws)]
+                bs = [[ints((k, n), count * 100 + 50 + 7 * r + i, dtype, device) for i, k in enumerate(ks)] for r in range(ws)]
+                bias = ints((n,), count * 100 + 99, dtype, device) if with_bias else None
+                out = matmul_sum_reduce_scatter(parts[rank], bs[rank], scatter_dim, g, reduce_op=reduce_op, bias=bias,
+                                                strategy=strategy)
+                cat_a = [torch.cat(p, dim=-1) for p in parts]
+                cat_b = [torch.cat(b, dim=0) for b in bs]
+                ref = rs_reference(cat_a, cat_b, scatter_dim, reduce_op, bias, rank, ws)
+                label = f"sum-rs shape={shape} dim={scatter_dim} ks={ks} bias={with_bias} {reduce_op} {strategy} {dtype}"
+                assert out.shape == ref.shape and out.dtype == ref.dtype, f"{label}: {out.shape} vs {ref.shape}"
+                assert torch.equal(out, ref), f"{label}: max diff {(out.double() - ref.double()).abs().max()}"
+                assert out.is_contiguous(), f"{label}: output strides {out.stride()}"
+                count += 1
+    a, b = ints((2 * ws, 8), 1, dtype, device), ints((8, n), 2, dtype, device)
+    expect_errors([
+        (ValueError, "two non-empty lists", lambda: matmul_sum_reduce_scatter([a], [], 0, g)),
+        (ValueError, "a_list[1] requires shape", lambda: matmul_sum_reduce_scatter([a, a[:ws]], [b, b], 0, g)),
+        (ValueError, f"b_list[1] requires {n} columns", lambda: matmul_sum_reduce_scatter([a, a], [b, b[:, :ws]], 0, g)),
+        (ValueError, "shape[0] == K = 8", lambda: matmul_sum_reduce_scatter([a, a], [b, b[:4]], 0, g)),
+    ])
+    return count
+
+
 def batch_major_by_default(device: str) -> int:
     """With ASYNCTP_BATCH_MAJOR unset, a gather / scatter dim behind a batch takes the batch-major
     order exactly when a rank's run of rows reaches BATCH_MAJOR_MIN_ROWS, and both orders equal
@@ -296,6 +336,26 @@ def large_pipeline_matches_serial() -> None:
         r_p = asynctp.matmul_reduce_scatter(o_p, b.t().contiguous(), gather_dim, g, strategy="pipeline")
         r_s = asynctp.matmul_reduce_scatter(o_p, b.t().contiguous(), gather_dim, g, strategy="serial")
         torch.testing.assert_close(r_p, r_s, rtol=2e-2, atol=5e-2)
+
+
+def large_sum_pipeline_matches_cat() -> None:
+    """matmul_sum_reduce_scatter on random bf16 data (the dgrad of QKV-like weights, K 1024 + 256
+    + 256) against matmul_reduce_scatter of the concatenations, up to the one extra rounding per
+    term; repeated calls (captured into a CUDA graph, then replayed) give the same bits."""
+    from asynctp.ops.matmul_reduce_scatter import matmul_sum_reduce_scatter
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    torch.manual_seed(4321 + rank)
+    for scatter_dim, lead in ((0, (1024 * ws,)), (1, (2, 512 * ws))):
+        a_list = [torch.randn(*lead, k, device="cuda", dtype=torch.bfloat16) for k in (1024, 256, 256)]
+        b_list = [torch.randn(k, 768, device="cuda", dtype=torch.bfloat16) / 32 for k in (1024, 256, 256)]
+        ref = asynctp.matmul_reduce_scatter(torch.cat(a_list, -1), torch.cat(b_list, 0), scatter_dim, g, strategy="serial")
+        for strategy in ("pipeline", "serial", "ring"):
+            outs = [matmul_sum_reduce_scatter(a_list, b_list, scatter_dim, g, strategy=strategy) for _ in range(3)]
+            torch.testing.assert_close(outs[0], ref, rtol=2e-2, atol=5e-2, msg=lambda m: f"{strategy} dim {scatter_dim}: {m}")
+            assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"{strategy} dim {scatter_dim}: repeated calls differ"
+            assert len({o.data_ptr() for o in outs}) == 3, f"{strategy}: a replay overwrote an output the caller holds"
 
 
 def cuda_graph_capture() -> None:

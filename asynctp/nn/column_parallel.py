@@ -7,7 +7,7 @@ Shape legend (R = world size, gather dim g, here the sequence dim of [B, S, D] a
     out_i       [B, S, N_i]       x_gathered @ weight_i.t() + bias_i, every token, local features
 
     forward   out_i = all_gather_matmul(x_shard, [w_i.t()...])        one gather for every weight
-    dgrad     grad_x_shard = matmul_reduce_scatter(cat(grad_out_i), cat(w_i), g)   one collective
+    dgrad     grad_x_shard = reduce_scatter(sum_i grad_out_i @ w_i) (matmul_sum_reduce_scatter, g)   one collective
     wgrad     grad_w_i = grad_out_i^T @ x_gathered: x re-gathered by all_gather_contract (the
               gather overlapped with the wgrad matmuls, each block of x times the matching rows
               of grad_out_i, fp32 accumulation, [N_i, K] results: no transposed copies), or saved
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asynctp.nn.precision import Float8Matmuls, resolve_float8
-from asynctp.nn.fused import gather_contract, gather_matmul, matmul_scatter
+from asynctp.nn.fused import gather_contract, gather_matmul, matmul_sum_scatter
 from asynctp.symm import resolve_group
 
 __all__ = ["all_gather_linear", "run_all_gather_linear"]
@@ -171,14 +171,14 @@ class _AllGatherLinear(torch.autograd.Function):
 
 
 def _dgrad(config: _Config, grad_outs: tuple[torch.Tensor, ...], weights: list[torch.Tensor]) -> torch.Tensor:
-    """grad_x_shard = reduce_scatter(sum_i grad_out_i @ w_i): one collective for all weights."""
-    if len(weights) == 1:
-        grad_cat, w_cat = grad_outs[0], weights[0]
-    else:
-        grad_cat, w_cat = torch.cat(grad_outs, dim=-1), torch.cat(weights, dim=0)
+    """grad_x_shard = reduce_scatter(sum_i grad_out_i @ w_i): one collective for all weights
+    (bf16: each term's GEMM accumulates into the partial, no concatenated copies; fp8: the
+    concatenation is quantized as one matrix)."""
     if config.float8 is not None:
+        grad_cat = grad_outs[0] if len(weights) == 1 else torch.cat(grad_outs, dim=-1)
+        w_cat = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
         return config.float8.dgrad_reduce_scatter(grad_cat, w_cat, config)
-    return matmul_scatter(grad_cat, w_cat, config.dim, config.group_name, None, config.strategy)
+    return matmul_sum_scatter(list(grad_outs), weights, config.dim, config.group_name, config.strategy)
 
 
 def _wgrad(config: _Config, x_saved: torch.Tensor, grad_outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

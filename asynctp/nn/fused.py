@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
+from asynctp.ops.matmul_reduce_scatter import matmul_sum_reduce_scatter
 from asynctp.ops.all_gather_matmul import all_gather_contract
 
-__all__ = ["gather_matmul", "matmul_scatter", "gather_contract"]
+__all__ = ["gather_matmul", "matmul_scatter", "matmul_sum_scatter", "gather_contract"]
 
 
 def gather_matmul(
@@ -28,6 +29,17 @@ def matmul_scatter(
     if torch.compiler.is_compiling():
         return torch.ops.asynctp.matmul_reduce_scatter(a, b, dim, group_name, "sum", bias, strategy)
     return matmul_reduce_scatter(a, b, dim, group_name, bias=bias, strategy=strategy)
+
+
+def matmul_sum_scatter(
+    a_list: list[torch.Tensor], b_list: list[torch.Tensor], dim: int, group_name: str, strategy: str
+) -> torch.Tensor:
+    """sum_i a_list[i] @ b_list[i], reduce-scattered; traced as the concatenations' one op."""
+    if len(a_list) == 1 or torch.compiler.is_compiling():
+        a = a_list[0] if len(a_list) == 1 else torch.cat(a_list, dim=-1)
+        b = b_list[0] if len(b_list) == 1 else torch.cat(b_list, dim=0)
+        return matmul_scatter(a, b, dim, group_name, None, strategy)
+    return matmul_sum_reduce_scatter(a_list, b_list, dim, group_name, strategy=strategy)
 
 
 def gather_contract(

@@ -12,13 +12,13 @@ from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.ring import ring_produce_and_reduce_scatter
-from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
+from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial, reduce_scatter_product
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_matmul_reduce_scatter
 from asynctp.symm import Workspace, resolve_group
 
-__all__ = ["matmul_reduce_scatter"]
+__all__ = ["matmul_reduce_scatter", "matmul_sum_reduce_scatter"]
 
 
 def matmul_reduce_scatter(
@@ -68,24 +68,82 @@ def _matmul_reduce_scatter_op(a, b, scatter_dim, group_name, reduce_op, bias, st
 
 def _run(a, b, dim, group, reduce_op, bias, strategy):
     """The implementation, on validated arguments (dim normalized)."""
+    return _run_terms([a], [b], dim, group, reduce_op, bias, strategy)
+
+
+def matmul_sum_reduce_scatter(
+    a_list: list[torch.Tensor],
+    b_list: list[torch.Tensor],
+    scatter_dim: int,
+    group: Any,
+    *,
+    reduce_op: str = "sum",
+    bias: torch.Tensor | None = None,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """sum_i a_list[i] @ b_list[i], reduce-scattered: matmul_reduce_scatter of the concatenations
+    (a's along K, b's along rows) without building them.
+
+    Equivalent to::
+
+        matmul_reduce_scatter(torch.cat(a_list, -1), torch.cat(b_list, 0), scatter_dim, group, ...)
+
+    up to rounding: each term after the first is accumulated into the bf16 partial by a GEMM
+    with beta = 1 (one rounding per term, as autograd's sum of separate linears' input grads
+    has, one fewer than it). Why: the column-parallel linear's dgrad for weights sharing one
+    gather (QKV, w1 + w3) concatenated both the output grads and the weights every backward
+    (2xH200, 8B-shaped block, batch 1: 0.9 ms of copies a step, fifteenth session).
+    The a's share every dim but the last; the b's are [K_i, N] with one N. Eager only (callers
+    under torch.compile concatenate; inductor fuses the concatenation into its producers).
+    """
+    if not isinstance(a_list, (list, tuple)) or not isinstance(b_list, (list, tuple)) or len(a_list) != len(b_list) or not a_list:
+        raise ValueError(f"matmul_sum_reduce_scatter requires two non-empty lists of equal length, got "
+                         f"{type(a_list).__name__} and {type(b_list).__name__}")
+    pg = resolve_group(group)
+    dims = [check_matmul_reduce_scatter(a, b, scatter_dim, pg.size(), reduce_op, bias, strategy) for a, b in zip(a_list, b_list)]
+    a0, b0 = a_list[0], b_list[0]
+    for i, (a, b) in enumerate(zip(a_list, b_list)):
+        if a.shape[:-1] != a0.shape[:-1] or a.dtype != a0.dtype or a.device != a0.device:
+            raise ValueError(f"a_list[{i}] requires shape (*{tuple(a0.shape[:-1])}, K), {a0.dtype} on {a0.device} "
+                             f"like a_list[0], got {tuple(a.shape)}, {a.dtype} on {a.device}")
+        if b.shape[1] != b0.shape[1]:
+            raise ValueError(f"b_list[{i}] requires {b0.shape[1]} columns like b_list[0], got {tuple(b.shape)}")
+    if len(a_list) == 1 or not eager_call_ok(*a_list, *b_list, bias):
+        a_cat = a0 if len(a_list) == 1 else torch.cat(list(a_list), dim=-1)
+        b_cat = b0 if len(b_list) == 1 else torch.cat(list(b_list), dim=0)
+        return matmul_reduce_scatter(a_cat, b_cat, scatter_dim, pg, reduce_op=reduce_op, bias=bias, strategy=strategy)
+    return _run_terms(list(a_list), list(b_list), dims[0], pg, reduce_op, bias, strategy)
+
+
+def _run_terms(a_list, b_list, dim, group, reduce_op, bias, strategy):
+    """sum_i a_list[i] @ b_list[i], reduce-scattered, on validated arguments (dim normalized)."""
+    a, b = a_list[0], b_list[0]
     if guard.enabled():
-        meta = dict(a=a, b=b, bias=bias, scatter_dim=dim, reduce_op=reduce_op, strategy=strategy)
-        guard.preflight("matmul_reduce_scatter", group, meta, [a, b, bias])
+        meta = dict(a=a_list, b=b_list, bias=bias, scatter_dim=dim, reduce_op=reduce_op, strategy=strategy)
+        guard.preflight("matmul_reduce_scatter", group, meta, [*a_list, *b_list, bias])
     world = group.size()
-    shape_key = (str(a.dtype).removeprefix("torch."), matmul_rows(a, dim, world, gather=False), b.shape[1], b.shape[0])
+    k = sum(t.shape[0] for t in b_list)  # the concatenated problem's K: its tuned plan
+    shape_key = (str(a.dtype).removeprefix("torch."), matmul_rows(a, dim, world, gather=False), b.shape[1], k)
     chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
     if chosen == "serial":
-        return matmul_reduce_scatter_serial(scatter_layout(a, dim, world), b, reduce_op, bias, group)
+        lays = [scatter_layout(t, dim, world) for t in a_list]
+        if len(lays) == 1:
+            return matmul_reduce_scatter_serial(lays[0], b, reduce_op, bias, group)
+        full = torch.mm(lays[0].a_2d, b)
+        for lay, b_i in zip(lays[1:], b_list[1:]):
+            full.addmm_(lay.a_2d, b_i)
+        return reduce_scatter_product(lays[0], full, reduce_op, bias, group)
     if chosen == "ring":
-        return _pipelined(group, scatter_layout(a, dim, world, batch_major=True), b, reduce_op, bias, 1, ring=True)
+        lays = [scatter_layout(t, dim, world, batch_major=True) for t in a_list]
+        return _pipelined(group, lays, b_list, reduce_op, bias, 1, ring=True)
     ws.op = "matmul_reduce_scatter"
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
 
     def body():
-        return _pipelined(ws, scatter_layout(a, dim, world, batch_major=True), b, reduce_op, bias, splits)
+        return _pipelined(ws, [scatter_layout(t, dim, world, batch_major=True) for t in a_list], b_list, reduce_op, bias, splits)
 
-    key = ("matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(bias), dim, reduce_op, splits,
-           graphs.settings())
+    key = ("matmul_reduce_scatter", *map(tensor_key, a_list), *map(tensor_key, b_list), tensor_key(bias), dim, reduce_op,
+           splits, graphs.settings())
     return graphs.call(ws, key, body)
 
 
@@ -98,26 +156,31 @@ def _(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
 
 
 def _pipelined(
-    ws: Workspace | Any, lay: ScatterLayout, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None,
+    ws: Workspace | Any, lays: list[ScatterLayout], bs: list[torch.Tensor], reduce_op: str, bias: torch.Tensor | None,
     splits: int, ring: bool = False,
 ) -> torch.Tensor:
-    """ws: the workspace, or the process group when ring=True."""
+    """ws: the workspace, or the process group when ring=True. lays[i] @ bs[i] summed (one term:
+    a plain matmul); the layouts share their row structure (same leading shape and dim)."""
     world, rank = (ws.size(), ws.rank()) if ring else (ws.world_size, ws.rank)
-    n = b.shape[1] // world
+    lay = lays[0]
+    n = bs[0].shape[1] // world
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:
-            runs, b_cols = [(0, lo, hi - lo)], b[:, dst * n : (dst + 1) * n]
+            runs, b_cols = [(0, lo, hi - lo)], [b[:, dst * n : (dst + 1) * n] for b in bs]
         else:
-            runs, b_cols = lay.a_runs(dst, lo, hi), b  # one run, or one per leading index (batch-major)
+            runs, b_cols = lay.a_runs(dst, lo, hi), bs  # one run, or one per leading index (batch-major)
         for off, row, count in runs:
-            a_rows, o = lay.a_2d[row : row + count], out[off : off + count]
+            o = out[off : off + count]
+            first = lays[0].a_2d[row : row + count]
             if acc is None:
-                torch.mm(a_rows, b_cols, out=o)
+                torch.mm(first, b_cols[0], out=o)
             else:
-                torch.addmm(acc[off : off + count], a_rows, b_cols, out=o)
+                torch.addmm(acc[off : off + count], first, b_cols[0], out=o)
+            for lay_i, b_i in zip(lays[1:], b_cols[1:]):
+                o.addmm_(lay_i.a_2d[row : row + count], b_i)
 
-    chunk_shape = lay.chunk_shape(b.shape[1])
+    chunk_shape = lay.chunk_shape(bs[0].shape[1])
     if ring:
         out = ring_produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, lay.a_2d.device, reduce_op)
     else:

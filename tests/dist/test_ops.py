@@ -22,6 +22,19 @@ def test_matmul_reduce_scatter(pool, dtype, strategy):
     assert counts[0] == 28
 
 
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto", "ring"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_sum_reduce_scatter(pool, dtype, strategy):
+    assert pool.run(cases.matmul_sum_reduce_scatter_grid, DEVICE, dtype, strategy)[0] == 18
+
+
+def test_matmul_sum_reduce_scatter_plans(pool):
+    """Three row blocks per chunk, the batch-major order, the direct reduce-scatter: exact too."""
+    for env in ({"ASYNCTP_SPLITS": "3"}, {"ASYNCTP_BATCH_MAJOR": "1", "ASYNCTP_SPLITS": "3"},
+                {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"}):
+        assert pool.run(cases.under_env, env, cases.matmul_sum_reduce_scatter_grid, DEVICE, "float32", "pipeline")[0] == 18
+
+
 # the default plan is push, one row block (shapes this small): the other gather mode and
 # several row blocks per chunk must give the same exact results
 PLANS = [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3"}, {"ASYNCTP_GATHER": "pull", "ASYNCTP_SPLITS": "3"},

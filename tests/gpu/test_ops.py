@@ -22,6 +22,15 @@ def test_matmul_reduce_scatter(pool, dtype, strategy):
     assert pool.run(cases.matmul_reduce_scatter_grid, DEVICE, dtype, strategy)[0] == 28
 
 
+@pytest.mark.parametrize("strategy", ["pipeline", "serial", "auto", "ring"])
+def test_matmul_sum_reduce_scatter(pool, strategy):
+    assert pool.run(cases.matmul_sum_reduce_scatter_grid, DEVICE, "bfloat16", strategy)[0] == 18
+
+
+def test_matmul_sum_reduce_scatter_large_and_replayed(pool):
+    pool.run(cases.large_sum_pipeline_matches_cat)
+
+
 def test_outputs_do_not_alias_workspace(pool):
     pool.run(cases.outputs_do_not_alias, DEVICE)
 
