@@ -49,6 +49,9 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     graphpol) for spec in ${GP_SPECS:-1:auto:1 1:1:1 1:auto:5 1:auto:10 2:auto:1 2:auto:10 2:1:1}; do  # eager step time per graph-cache policy
                 IFS=: read -r bs g lag <<< "$spec"
                 ASYNCTP_GRAPHS=$g ASYNCTP_GRAPHS_LAG_MS=$lag PROBE_PLAIN=1 PROBE_STEPS=${GP_STEPS:-10} PROBE_BATCH=$bs TAILN=2 step ${GP_LIMIT:-100} graphpol_b${bs}_g${g}_lag$lag python3 benchmarks/probe_host_step.py $R/graphpol asynctp:none; done ;;
+    dgradab) for spec in ${AB_SPECS:-1:0 1:1 1:0 1:1 2:0 2:1}; do  # A/B, one machine: column-parallel dgrad with per-term GEMMs (0) or concatenations (1)
+               IFS=: read -r bs cat <<< "$spec"
+               ASYNCTP_DGRAD_CAT=$cat PROBE_PLAIN=1 PROBE_STEPS=${AB_STEPS:-20} PROBE_WARMUP=25 PROBE_BATCH=$bs TAILN=2 step ${AB_LIMIT:-90} dgrad_b${bs}_cat$cat python3 benchmarks/probe_host_step.py $R/dgradab asynctp:none; done ;;
     tpnum) TAILN=${TAILN:-30} step ${TPNUM_LIMIT:-300} probe_torch_async_tp_numerics python3 benchmarks/probe_torch_async_tp_numerics.py $R/tpnum ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac

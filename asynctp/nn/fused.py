@@ -4,6 +4,8 @@ public functions look the group up by name, which dynamo cannot trace)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
@@ -34,8 +36,10 @@ def matmul_scatter(
 def matmul_sum_scatter(
     a_list: list[torch.Tensor], b_list: list[torch.Tensor], dim: int, group_name: str, strategy: str
 ) -> torch.Tensor:
-    """sum_i a_list[i] @ b_list[i], reduce-scattered; traced as the concatenations' one op."""
-    if len(a_list) == 1 or torch.compiler.is_compiling():
+    """sum_i a_list[i] @ b_list[i], reduce-scattered; traced as the concatenations' one op.
+    ASYNCTP_DGRAD_CAT=1 concatenates in eager mode too (the pre-fifteenth-session path, for A/B
+    measurements)."""
+    if len(a_list) == 1 or torch.compiler.is_compiling() or os.environ.get("ASYNCTP_DGRAD_CAT") == "1":
         a = a_list[0] if len(a_list) == 1 else torch.cat(a_list, dim=-1)
         b = b_list[0] if len(b_list) == 1 else torch.cat(b_list, dim=0)
         return matmul_scatter(a, b, dim, group_name, None, strategy)
