@@ -166,7 +166,8 @@ def matmul_sum_reduce_scatter_grid(device: str, dtype_name: str, strategy: str) 
                 count += 1
     a, b = ints((2 * ws, 8), 1, dtype, device), ints((8, n), 2, dtype, device)
     expect_errors([
-        (ValueError, "two non-empty lists", lambda: matmul_sum_reduce_scatter([a], [], 0, g)),
+        (ValueError, "got 1 and 0 tensors", lambda: matmul_sum_reduce_scatter([a], [], 0, g)),
+        (TypeError, "requires lists a_list and b_list, got Tensor", lambda: matmul_sum_reduce_scatter(a, [b], 0, g)),
         (ValueError, "a_list[1] requires shape", lambda: matmul_sum_reduce_scatter([a, a[:ws]], [b, b], 0, g)),
         (ValueError, f"b_list[1] requires {n} columns", lambda: matmul_sum_reduce_scatter([a, a], [b, b[:, :ws]], 0, g)),
         (ValueError, "shape[0] == K = 8", lambda: matmul_sum_reduce_scatter([a, a], [b, b[:4]], 0, g)),

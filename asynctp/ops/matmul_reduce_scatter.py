@@ -88,17 +88,22 @@ def matmul_sum_reduce_scatter(
 
         matmul_reduce_scatter(torch.cat(a_list, -1), torch.cat(b_list, 0), scatter_dim, group, ...)
 
-    up to rounding: each term after the first is accumulated into the bf16 partial by a GEMM
-    with beta = 1 (one rounding per term, as autograd's sum of separate linears' input grads
-    has, one fewer than it). Why: the column-parallel linear's dgrad for weights sharing one
-    gather (QKV, w1 + w3) concatenated both the output grads and the weights every backward
-    (2xH200, 8B-shaped block, batch 1: 0.9 ms of copies a step, fifteenth session).
-    The a's share every dim but the last; the b's are [K_i, N] with one N. Eager only (callers
-    under torch.compile concatenate; inductor fuses the concatenation into its producers).
+    up to rounding: each term after the first is added into the partial by a GEMM with beta = 1,
+    which rounds the partial to a's dtype once per term (the concatenated GEMM rounds once;
+    vanilla TP's separate linears round each product and each sum of the input gradients).
+    Why: the column-parallel linear's dgrad for weights sharing one gather (QKV, w1 + w3)
+    concatenated both the output gradients and the weights every backward (2xH200, 8B-shaped
+    block, batch 1: 0.9 ms of copies a step); the step time did not measurably change (A/B,
+    fifteenth session, benchmarks/results/NOTES.md). The a's share every dim but the last; the
+    b's are [K_i, N] with one N. Callers under torch.compile concatenate instead (inductor fuses
+    the concatenation into its producers); under autograd or tracing this function does too.
     """
-    if not isinstance(a_list, (list, tuple)) or not isinstance(b_list, (list, tuple)) or len(a_list) != len(b_list) or not a_list:
+    if not isinstance(a_list, (list, tuple)) or not isinstance(b_list, (list, tuple)):
+        raise TypeError(f"matmul_sum_reduce_scatter requires lists a_list and b_list, got "
+                        f"{type(a_list).__name__} and {type(b_list).__name__}")
+    if len(a_list) != len(b_list) or not a_list:
         raise ValueError(f"matmul_sum_reduce_scatter requires two non-empty lists of equal length, got "
-                         f"{type(a_list).__name__} and {type(b_list).__name__}")
+                         f"{len(a_list)} and {len(b_list)} tensors")
     pg = resolve_group(group)
     dims = [check_matmul_reduce_scatter(a, b, scatter_dim, pg.size(), reduce_op, bias, strategy) for a, b in zip(a_list, b_list)]
     a0, b0 = a_list[0], b_list[0]
@@ -172,7 +177,7 @@ def _pipelined(
             runs, b_cols = lay.a_runs(dst, lo, hi), bs  # one run, or one per leading index (batch-major)
         for off, row, count in runs:
             o = out[off : off + count]
-            first = lays[0].a_2d[row : row + count]
+            first = lay.a_2d[row : row + count]
             if acc is None:
                 torch.mm(first, b_cols[0], out=o)
             else:
