@@ -25,6 +25,7 @@ import torch
 
 from asynctp.nn.precision import Float8Matmuls, resolve_float8
 from asynctp.nn.fused import gather_contract, gather_matmul, matmul_sum_scatter
+from asynctp.ops.matmul_reduce_scatter import concat_terms
 from asynctp.symm import resolve_group
 
 __all__ = ["all_gather_linear", "run_all_gather_linear"]
@@ -175,9 +176,7 @@ def _dgrad(config: _Config, grad_outs: tuple[torch.Tensor, ...], weights: list[t
     (bf16: each term's GEMM accumulates into the partial, no concatenated copies; fp8: the
     concatenation is quantized as one matrix)."""
     if config.float8 is not None:
-        grad_cat = grad_outs[0] if len(weights) == 1 else torch.cat(grad_outs, dim=-1)
-        w_cat = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)
-        return config.float8.dgrad_reduce_scatter(grad_cat, w_cat, config)
+        return config.float8.dgrad_reduce_scatter(*concat_terms(grad_outs, weights), config)
     return matmul_sum_scatter(list(grad_outs), weights, config.dim, config.group_name, config.strategy)
 
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
-from asynctp.ops.matmul_reduce_scatter import matmul_sum_reduce_scatter
+from asynctp.ops.matmul_reduce_scatter import concat_terms, matmul_sum_reduce_scatter
 from asynctp.ops.all_gather_matmul import all_gather_contract
 
 __all__ = ["gather_matmul", "matmul_scatter", "matmul_sum_scatter", "gather_contract"]
@@ -40,9 +40,7 @@ def matmul_sum_scatter(
     ASYNCTP_DGRAD_CAT=1 concatenates in eager mode too (the pre-fifteenth-session path, for A/B
     measurements)."""
     if len(a_list) == 1 or torch.compiler.is_compiling() or os.environ.get("ASYNCTP_DGRAD_CAT") == "1":
-        a = a_list[0] if len(a_list) == 1 else torch.cat(a_list, dim=-1)
-        b = b_list[0] if len(b_list) == 1 else torch.cat(b_list, dim=0)
-        return matmul_scatter(a, b, dim, group_name, None, strategy)
+        return matmul_scatter(*concat_terms(a_list, b_list), dim, group_name, None, strategy)
     return matmul_sum_reduce_scatter(a_list, b_list, dim, group_name, strategy=strategy)
 
 

@@ -12,13 +12,13 @@ from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.pipeline import produce_and_reduce_scatter
 from asynctp.ops.ring import ring_produce_and_reduce_scatter
-from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial, reduce_scatter_product
+from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_matmul_reduce_scatter
 from asynctp.symm import Workspace, resolve_group
 
-__all__ = ["matmul_reduce_scatter", "matmul_sum_reduce_scatter"]
+__all__ = ["matmul_reduce_scatter", "matmul_sum_reduce_scatter", "concat_terms"]
 
 
 def matmul_reduce_scatter(
@@ -50,7 +50,7 @@ def matmul_reduce_scatter(
     pg = resolve_group(group)
     dim = check_matmul_reduce_scatter(a, b, scatter_dim, pg.size(), reduce_op, bias, strategy)
     if eager_call_ok(a, b, bias):
-        return _run(a, b, dim, pg, reduce_op, bias, strategy)
+        return _run_terms([a], [b], dim, pg, reduce_op, bias, strategy)
     return torch.ops.asynctp.matmul_reduce_scatter(a, b, scatter_dim, pg.group_name, reduce_op, bias, strategy)
 
 
@@ -63,11 +63,6 @@ def matmul_reduce_scatter(
 def _matmul_reduce_scatter_op(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
     group = resolve_group(group_name)
     dim = check_matmul_reduce_scatter(a, b, scatter_dim, group.size(), reduce_op, bias, strategy)
-    return _run(a, b, dim, group, reduce_op, bias, strategy)
-
-
-def _run(a, b, dim, group, reduce_op, bias, strategy):
-    """The implementation, on validated arguments (dim normalized)."""
     return _run_terms([a], [b], dim, group, reduce_op, bias, strategy)
 
 
@@ -114,10 +109,17 @@ def matmul_sum_reduce_scatter(
         if b.shape[1] != b0.shape[1]:
             raise ValueError(f"b_list[{i}] requires {b0.shape[1]} columns like b_list[0], got {tuple(b.shape)}")
     if len(a_list) == 1 or not eager_call_ok(*a_list, *b_list, bias):
-        a_cat = a0 if len(a_list) == 1 else torch.cat(list(a_list), dim=-1)
-        b_cat = b0 if len(b_list) == 1 else torch.cat(list(b_list), dim=0)
+        a_cat, b_cat = concat_terms(a_list, b_list)
         return matmul_reduce_scatter(a_cat, b_cat, scatter_dim, pg, reduce_op=reduce_op, bias=bias, strategy=strategy)
     return _run_terms(list(a_list), list(b_list), dims[0], pg, reduce_op, bias, strategy)
+
+
+def concat_terms(a_list: list[torch.Tensor], b_list: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one matmul equal to sum_i a_list[i] @ b_list[i]: the a's concatenated along K, the b's
+    along rows (a single term as it is, no copy)."""
+    if len(a_list) == 1:
+        return a_list[0], b_list[0]
+    return torch.cat(list(a_list), dim=-1), torch.cat(list(b_list), dim=0)
 
 
 def _run_terms(a_list, b_list, dim, group, reduce_op, bias, strategy):
@@ -131,13 +133,7 @@ def _run_terms(a_list, b_list, dim, group, reduce_op, bias, strategy):
     shape_key = (str(a.dtype).removeprefix("torch."), matmul_rows(a, dim, world, gather=False), b.shape[1], k)
     chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
     if chosen == "serial":
-        lays = [scatter_layout(t, dim, world) for t in a_list]
-        if len(lays) == 1:
-            return matmul_reduce_scatter_serial(lays[0], b, reduce_op, bias, group)
-        full = torch.mm(lays[0].a_2d, b)
-        for lay, b_i in zip(lays[1:], b_list[1:]):
-            full.addmm_(lay.a_2d, b_i)
-        return reduce_scatter_product(lays[0], full, reduce_op, bias, group)
+        return matmul_reduce_scatter_serial([scatter_layout(t, dim, world) for t in a_list], b_list, reduce_op, bias, group)
     if chosen == "ring":
         lays = [scatter_layout(t, dim, world, batch_major=True) for t in a_list]
         return _pipelined(group, lays, b_list, reduce_op, bias, 1, ring=True)

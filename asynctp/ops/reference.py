@@ -48,13 +48,18 @@ def divide_for_avg(out: torch.Tensor, reduce_op: str, world_size: int) -> torch.
 
 
 def matmul_reduce_scatter_serial(
-    lay: ScatterLayout,
-    b: torch.Tensor,
+    lays: list[ScatterLayout],
+    bs: list[torch.Tensor],
     reduce_op: str,
     bias: torch.Tensor | None,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
-    return reduce_scatter_product(lay, torch.mm(lay.a_2d, b), reduce_op, bias, group)
+    """reduce_scatter(sum_i lays[i].a_2d @ bs[i]): one term is the plain matmul; each further
+    term is added into the product by a GEMM with beta = 1 (matmul_sum_reduce_scatter)."""
+    full = torch.mm(lays[0].a_2d, bs[0])
+    for lay, b in zip(lays[1:], bs[1:]):
+        full.addmm_(lay.a_2d, b)
+    return reduce_scatter_product(lays[0], full, reduce_op, bias, group)
 
 
 def reduce_scatter_product(
