@@ -234,9 +234,14 @@ def _unique(rows: list[dict[str, Any]], field: str) -> list[str]:
     return seen
 
 
+def is_scaled(op: str) -> bool:
+    """An fp8 op (all_gather_scaled_matmul_*, scaled_matmul_reduce_scatter_*)."""
+    return "scaled" in op
+
+
 def _dtype_words(row: dict[str, Any]) -> str:
     """What the table's numbers compute in: a scaled (fp8) op's row records its output dtype."""
-    if "scaled" in row["op"]:
+    if is_scaled(row["op"]):
         return f"float8_e4m3fn inputs, {row['dtype']} output"
     return row["dtype"]
 
@@ -265,7 +270,7 @@ def markdown(rows: list[dict[str, Any]], title: bool = False) -> str:
 def target_issue(op: str) -> tuple[int, float]:
     """(issue, efficiency target) an op's rows are checked against: 4 and 0.9 for the fp8 ops,
     3 and 0.92 for bf16."""
-    return (4, 0.9) if "scaled" in op else (3, 0.92)
+    return (4, 0.9) if is_scaled(op) else (3, 0.92)
 
 
 def target_notes(rows: list[dict[str, Any]]) -> list[str]:

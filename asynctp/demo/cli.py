@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the variants step by step in turn (every model alive at once) instead of one after "
                              "the other: a machine's drift then touches every run alike (eager runs only; no per-run "
                              "peak memory)")
+    parser.add_argument("--sync-every", type=int, default=1, metavar="N",
+                        help="queue N timed steps back to back before the host waits for the GPU and reads their "
+                             "losses, as a training loop that logs every N steps does (the host then queues a step "
+                             "while the GPU runs the last); each step's time is the stretch's over N. 1 (default): "
+                             "every step starts from an idle GPU, host latency included. Warm-up steps run one at a time")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="sequences per step (default: per model size, 1 for 8b-block): more GPU work per step "
                              "for the same host work")
@@ -112,9 +117,13 @@ def run(args: argparse.Namespace) -> int:
         save_gathered_input=not args.regather_input,
         share_gathers=not args.no_shared_gather,
         interleave=args.interleave,
+        sync_every=args.sync_every,
     )
     if settings.steps < 1:
         print(f"asynctp demo: --steps requires a positive number, got {settings.steps}", file=sys.stderr)
+        return 2
+    if args.sync_every < 1:
+        print(f"asynctp demo: --sync-every requires a positive number, got {args.sync_every}", file=sys.stderr)
         return 2
     # torch's async-TP run goes last: it switches inductor's micro-pipeline pass on for the process
     variants = [VARIANTS["vanilla"], VARIANTS["asynctp"]]
@@ -124,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
                                                  ("torch-async-tp", args.torch_async_tp)) if on]
     print(f"asynctp demo: model {model_name} ({cfg.num_params() / 1e6:.1f}M params), {world} ranks over "
           f"{backend} on {device_type}, {settings.steps} steps, {str(settings.dtype).removeprefix('torch.')}"
-          + (f", float8 {settings.float8}" if settings.float8 else "") + (", compiled" if settings.compile else ""))
+          + (f", float8 {settings.float8}" if settings.float8 else "") + (", compiled" if settings.compile else "")
+          + (f", the host waiting every {settings.sync_every} steps" if settings.sync_every > 1 else ""))
     runs = _launch(world, backend, device_type, settings, variants)
     if runs is None:
         return 1
@@ -320,7 +330,8 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
                      "seed": settings.seed, "float8": settings.float8, "compile": settings.compile,
                      "warmup_steps_excluded": settings.warmup, "profile_steps": settings.profile_steps,
                      "save_gathered_input": settings.save_gathered_input and settings.float8 is None,
-                     "share_gathers": settings.share_gathers, "interleave": settings.interleave},
+                     "share_gathers": settings.share_gathers, "interleave": settings.interleave,
+                     "sync_every": settings.sync_every},
         "versions": versions(),
         "runs": runs,
         "comparison": compared,

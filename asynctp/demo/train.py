@@ -72,6 +72,11 @@ class TrainSettings:
     share_gathers: bool = True
     # the runs advance step by step in turn (train_interleaved), not one after the other
     interleave: bool = False
+    # timed steps queued back to back before the host waits for the GPU (and reads their losses),
+    # as a training loop that logs every sync_every steps runs: the host queues the next step
+    # while the GPU still works on the last. 1: every step starts from an idle GPU and is timed
+    # alone. The warm-up steps always run one at a time
+    sync_every: int = 1
 
 
 @dataclass
@@ -121,14 +126,27 @@ def _train(variant, settings, mesh, device, on_step) -> RunResult:
         torch.cuda.empty_cache()  # the reserved peak then counts this run's memory alone
         torch.cuda.reset_peak_memory_stats(device)
     with _collector_between_steps():
-        for step in range(settings.steps):
-            loss, seconds = run.step(step)
-            if on_step is not None:
-                on_step(step, loss, seconds)
+        for first, count in windows(settings):
+            for step, (loss, seconds) in enumerate(run.steps(count), start=first):
+                if on_step is not None:
+                    on_step(step, loss, seconds)
     if device.type == "cuda":
         run.result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
         run.result.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
     return run.finish()
+
+
+def windows(settings: TrainSettings) -> list[tuple[int, int]]:
+    """(first step, steps) of each stretch the host queues before it waits for the GPU: the
+    warm-up steps one at a time, then settings.sync_every steps at a time (the last stretch may be
+    shorter)."""
+    if settings.sync_every < 1:
+        raise ValueError(f"sync_every requires a positive number of steps, got {settings.sync_every}")
+    single = min(settings.warmup, settings.steps)
+    out = [(step, 1) for step in range(single)]
+    out += [(first, min(settings.sync_every, settings.steps - first))
+            for first in range(single, settings.steps, settings.sync_every)]
+    return out
 
 
 def train_interleaved(
@@ -149,11 +167,11 @@ def train_interleaved(
     graphs.clear()
     runs = [_Run(v, settings, mesh, device) for v in variants]
     with _collector_between_steps():
-        for step in range(settings.steps):
+        for first, count in windows(settings):
             for i, run in enumerate(runs):
-                loss, seconds = run.step(step)
-                if on_step is not None:
-                    on_step(i, step, loss, seconds)
+                for step, (loss, seconds) in enumerate(run.steps(count), start=first):
+                    if on_step is not None:
+                        on_step(i, step, loss, seconds)
     results = [run.finish() for run in runs]
     return results
 
@@ -187,29 +205,34 @@ class _Run:
         self.result = RunResult(variant.name, no_comm=variant.no_comm)
         self.result.graph_calls = {"eager": 0, "captured": 0, "replayed": 0}
 
-    def step(self, step: int) -> tuple[float, float]:
-        """One timed step: (loss, seconds). Its pipelined calls are counted for this run."""
+    def steps(self, count: int) -> list[tuple[float, float]]:
+        """`count` steps queued back to back, the host waiting for the GPU only after the last;
+        each step's (loss, seconds), seconds being the stretch's time over `count` (one step:
+        its own time, from an idle GPU). Its pipelined calls are counted for this run."""
         from asynctp.ops import graphs
 
         cfg, device, result = self.settings.cfg, self.device, self.result
-        tokens = self.data.batch(cfg.batch_size, cfg.seq_len).to(device)
+        batches = [self.data.batch(cfg.batch_size, cfg.seq_len).to(device) for _ in range(count)]
         gc.collect()
         _sync(device)
-        before = graphs.stats()
+        first = graphs.stats()
+        losses = []
         start = time.perf_counter()
-        loss_t = _queue_step(self.model, self.opt, tokens)
-        result.host_times.append(time.perf_counter() - start)
-        loss = loss_t.item()
+        for tokens in batches:
+            before, queued = graphs.stats(), time.perf_counter()
+            losses.append(_queue_step(self.model, self.opt, tokens))
+            result.host_times.append(time.perf_counter() - queued)
+            after = graphs.stats()
+            # eager, captured, replayed and the eager calls' reasons
+            result.graph_calls_last_step = {k: after[k] - before[k] for k in after if k != "graphs"}
+        values = [loss.item() for loss in losses]
         _sync(device)
-        seconds = time.perf_counter() - start
-        after = graphs.stats()
-        calls = {k: after[k] - before[k] for k in after if k != "graphs"}  # eager, by reason too
-        for k, v in calls.items():
-            result.graph_calls[k] = result.graph_calls.get(k, 0) + v
-        result.graph_calls_last_step = calls
-        result.losses.append(loss)
-        result.step_times.append(seconds)
-        return loss, seconds
+        seconds = (time.perf_counter() - start) / count
+        for k in result.graph_calls_last_step:
+            result.graph_calls[k] = result.graph_calls.get(k, 0) + after[k] - first[k]
+        result.losses += values
+        result.step_times += [seconds] * count
+        return [(loss, seconds) for loss in values]
 
     def finish(self) -> RunResult:
         """Profile (when asked), free the model, and return the record."""

@@ -58,23 +58,52 @@ def test_demo_compiled_runs_each_compile_their_own_graphs(tmp_path):
     assert " 0 fused" not in passed["fusion_report"] and " 0 graph(s)" not in passed["fusion_report"], passed
 
 
-def test_demo_interleaved_runs_give_the_sequential_curves(tmp_path, capsys):
-    """--interleave (step i of every run, then step i + 1) trains the same models: each loss
-    curve is bit for bit the one of the runs one after the other; compiled runs are refused."""
+def test_demo_interleaved_and_unsynced_runs_give_the_sequential_curves(tmp_path, capsys):
+    """--interleave (step i of every run, then step i + 1) and --sync-every (timed steps queued
+    back to back, the host waiting after the last) train the same models: each loss curve is bit
+    for bit the one of the runs one after the other, step by step; a stretch's steps share its
+    time; compiled runs are refused by --interleave, a non-positive --sync-every by the CLI."""
     curves = {}
-    for mode in ("sequential", "interleaved"):
-        out = tmp_path / mode
-        extra = ["--interleave"] if mode == "interleaved" else []
-        assert main(["demo", "--cpu", "--steps", "3", "--serial-baseline", *extra, "--out", str(out)]) == 0
+    modes = {"sequential": [], "interleaved": ["--interleave"], "sequential, sync every 2": ["--sync-every", "2"],
+             "interleaved, sync every 3": ["--interleave", "--sync-every", "3"]}
+    for mode, extra in modes.items():
+        out = tmp_path / mode.replace(" ", "_").replace(",", "")
+        assert main(["demo", "--cpu", "--steps", "6", "--serial-baseline", *extra, "--out", str(out)]) == 0
         (path,) = out.glob("demo_2xcpu_*.json")
         record = json.loads(path.read_text())
-        assert record["settings"]["interleave"] == (mode == "interleaved")
+        assert record["settings"]["interleave"] == ("--interleave" in extra)
+        every = int(extra[-1]) if "--sync-every" in extra else 1
+        assert record["settings"]["sync_every"] == every
         curves[mode] = {r["name"]: r["losses"] for r in record["runs"]}
+        for r in record["runs"]:  # warm-up steps 0-2 alone, then stretches of `every` steps
+            times, hosts = r["step_times_s"], r["host_times_s"]
+            assert len(times) == len(hosts) == 6
+            stretches = [times[3:5], times[5:]] if every == 2 else [times[3:]]
+            if every > 1:
+                assert all(len(set(t)) == 1 for t in stretches), times
     assert list(curves["interleaved"]) == ["vanilla TP", "asynctp", "asynctp, not overlapped"]
-    assert curves["interleaved"] == curves["sequential"]
+    for mode in modes:
+        assert curves[mode] == curves["sequential"], mode
     capsys.readouterr()
     assert main(["demo", "--cpu", "--interleave", "--compile"]) == 2
     assert "--interleave requires eager runs" in capsys.readouterr().err
+    assert main(["demo", "--cpu", "--sync-every", "0"]) == 2
+    assert "--sync-every requires a positive number, got 0" in capsys.readouterr().err
+
+
+def test_demo_windows_queue_warm_up_steps_alone():
+    from asynctp.demo.train import TrainSettings, windows
+    from asynctp.demo.model import SIZES
+
+    def of(steps, every, warmup=3):
+        return windows(TrainSettings(cfg=SIZES["tiny"], steps=steps, dtype=None, lr=0.0, warmup=warmup, sync_every=every))
+
+    assert of(6, 1) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert of(10, 3) == [(0, 1), (1, 1), (2, 1), (3, 3), (6, 3), (9, 1)]
+    assert of(2, 4) == [(0, 1), (1, 1)]
+    assert of(5, 10, warmup=0) == [(0, 5)]
+    with pytest.raises(ValueError, match="sync_every requires a positive number of steps, got 0"):
+        of(5, 0)
 
 
 def test_demo_batch_size_flag(tmp_path, capsys):
