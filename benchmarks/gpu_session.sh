@@ -49,6 +49,8 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     demosync) for spec in ${SYNC_SPECS:-1:10 1:1}; do  # issue 5: demotorch with the host waiting every N steps (bs:N)
                 IFS=: read -r bs n <<< "$spec"
                 step ${DEMO_LIMIT:-270} demo_torch_b${bs}_sync$n python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-43} --batch-size $bs --torch-async-tp --no-comm-baseline --sync-every $n ${DEMO_ARGS:-} --out $R/demo_torch_b${bs}_sync$n; done ;;
+    demofp8sync) for rec in ${FP8_RECIPES:-rowwise tensorwise}; do  # fp8 asynctp vs vanilla TP (bf16), the host waiting every SYNC_N steps
+                   step ${DEMO_LIMIT:-150} demo_fp8_${rec}_sync${SYNC_N:-10} python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-43} --batch-size ${FP8_BATCH:-1} --float8 $rec --sync-every ${SYNC_N:-10} --out $R/demo_fp8_${rec}_sync${SYNC_N:-10}; done ;;
     graphpol) for spec in ${GP_SPECS:-1:auto:1 1:1:1 1:auto:5 1:auto:10 2:auto:1 2:auto:10 2:1:1}; do  # eager step time per graph-cache policy
                 IFS=: read -r bs g lag <<< "$spec"
                 ASYNCTP_GRAPHS=$g ASYNCTP_GRAPHS_LAG_MS=$lag PROBE_PLAIN=1 PROBE_STEPS=${GP_STEPS:-10} PROBE_BATCH=$bs TAILN=2 step ${GP_LIMIT:-100} graphpol_b${bs}_g${g}_lag$lag python3 benchmarks/probe_host_step.py $R/graphpol asynctp:none; done ;;
