@@ -92,8 +92,10 @@ def test_demo_interleaved_and_unsynced_runs_give_the_sequential_curves(tmp_path,
 
 
 def test_demo_windows_queue_warm_up_steps_alone():
-    from asynctp.demo.train import TrainSettings, windows
+    """The stretches a run's host queues before it waits: warm-up steps one at a time, then
+    sync_every steps at a time, the last one shorter; a non-positive sync_every is refused."""
     from asynctp.demo.model import SIZES
+    from asynctp.demo.train import TrainSettings, windows
 
     def of(steps, every, warmup=3):
         return windows(TrainSettings(cfg=SIZES["tiny"], steps=steps, dtype=None, lr=0.0, warmup=warmup, sync_every=every))
