@@ -268,6 +268,10 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
 
     print()
     print(table(runs))
+    if settings.sync_every > 1:
+        print(f"note: step times are each stretch of {settings.sync_every} steps over {settings.sync_every} (the host "
+              f"waited once per stretch); host time then includes waits on a full launch queue, so it no longer "
+              f"tells a host-bound run")
     def speed_line(name: str, base: str, c: dict, losses: bool = True) -> str:
         line = f"{name} vs {base}: speed-up {c['speedup']:.2f}x"
         if losses:

@@ -69,6 +69,7 @@ def test_demo_interleaved_and_unsynced_runs_give_the_sequential_curves(tmp_path,
     for mode, extra in modes.items():
         out = tmp_path / mode.replace(" ", "_").replace(",", "")
         assert main(["demo", "--cpu", "--steps", "6", "--serial-baseline", *extra, "--out", str(out)]) == 0
+        assert ("note: step times are each stretch of" in capsys.readouterr().out) == ("--sync-every" in extra)
         (path,) = out.glob("demo_2xcpu_*.json")
         record = json.loads(path.read_text())
         assert record["settings"]["interleave"] == ("--interleave" in extra)
