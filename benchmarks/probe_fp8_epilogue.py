@@ -12,7 +12,10 @@ after every MMA, "fast" never, Triton's sm_90 default). Each also gets its error
 math on the same fp8 values (a.float() @ b.float() * scales + received): "err ..." is the pair
 (worst element in units of 2^-8 x (|result| + |product|) + 1e-3, about one bf16 rounding each;
 ||got - ref|| / ||ref||). A Triton variant passes when its err is at most 2x cuBLAS's (non-fast)
-one; a failed variant is timed anyway and marked. Writes OUT_DIR/fp8_epilogue.json.
+one; a failed variant is timed anyway and marked. With PROBE_LT=1 (default) also cuBLASLt called
+directly (asynctp/ops/cublaslt.py, ctypes): "cublasLt" the GEMM alone, "cublasLt + c" with
+the received partial added in its epilogue (beta = 1, c apart from the output), and its fast
+variant: the accumulate epilogue torch._scaled_mm lacks. Writes OUT_DIR/fp8_epilogue.json.
 
     PROBE_ROWS=1024,2048,4096 PROBE_KINDS=rowwise,tensorwise PROBE_PROMOTE=block,fast,0 \
         PROBE_CONFIGS="256,128,128,8,3,0;256,128,128,8,4,1,16" python benchmarks/probe_fp8_epilogue.py OUT_DIR
@@ -24,8 +27,9 @@ import sys
 
 import torch
 
-from asynctp.ops.triton_scaled_mm import scaled_mm_add
 from asynctp.bench.timing import median_us
+from asynctp.ops.cublaslt import scaled_mm_lt
+from asynctp.ops.triton_scaled_mm import scaled_mm_add
 
 ROWS = [int(r) for r in os.environ.get("PROBE_ROWS", "1024,2048,4096").split(",")]
 KINDS = os.environ.get("PROBE_KINDS", "rowwise,tensorwise").split(",")
@@ -38,6 +42,7 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, TMA)
 if os.environ.get("PROBE_CONFIGS"):  # "bm,bn,bk,warps,stages,tma[,group_m];..."
     CONFIGS = [tuple(int(v) for v in c.split(",")) for c in os.environ["PROBE_CONFIGS"].split(";")]
 PROMOTES = os.environ.get("PROBE_PROMOTE", "block,fast,0").split(",")
+LT = os.environ.get("PROBE_LT", "1") == "1"  # the cuBLASLt columns (asynctp/ops/cublaslt.py)
 
 
 def timeit(fn) -> float:
@@ -83,6 +88,19 @@ def main(out_dir: str) -> None:
             mm_add(True)
             row["err scaled_mm fast + add"] = errors(out, ref, product)
             allowed = max(2 * row["err scaled_mm + add"][0], 2.0)
+            if LT:  # cuBLASLt called directly: the same GEMM, then with the addition in its epilogue
+                for name, c, fast in (("cublasLt", None, False), ("cublasLt + c", received, False),
+                                      ("cublasLt fast + c", received, True)):
+                    try:
+                        got = torch.empty_like(out)
+                        scaled_mm_lt(a, b, sa, sb, c, got, fast_accum=fast)
+                        row["err " + name] = errors(got, product if c is None else ref, product)
+                        row[name] = timeit(lambda c=c, fast=fast, got=got: scaled_mm_lt(a, b, sa, sb, c, got, fast_accum=fast))
+                    except Exception as exc:  # noqa: BLE001  (no binding, no algorithm: recorded)
+                        row[name] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+                print(f"{kind} rows {m}: " + " | ".join(f"{k} {row.get(k)} err {row.get('err ' + k)}" for k in
+                      ("scaled_mm", "scaled_mm + add", "cublasLt", "cublasLt + c", "scaled_mm fast + add", "cublasLt fast + c")),
+                      flush=True)
             for bm, bn, bk, warps, stages, tma, *group in CONFIGS:
                 gm = group[0] if group else 8
                 for promote in PROMOTES:

@@ -666,21 +666,66 @@ def quantize_kernels_exact(device: str = "cuda") -> int:
     return count
 
 
-def fp8_epilogue_used(device: str) -> bool:
-    """Whether one pipelined 2-D reduce-scatter (sum) ran the Triton GEMM with the epilogue
-    addition (ASYNCTP_FP8_EPILOGUE=1 and 2 ranks) and matched the reference."""
+def fp8_epilogue_used(device: str, kind: str = "triton") -> bool:
+    """Whether one pipelined 2-D reduce-scatter (sum) ran the GEMM with the epilogue addition
+    (ASYNCTP_FP8_EPILOGUE=1: the Triton kernel; =cublaslt: cuBLASLt; 2 ranks) and matched the
+    reference."""
     from unittest import mock
 
-    import asynctp.ops.triton_scaled_mm as kernel
-
+    if kind == "triton":
+        import asynctp.ops.triton_scaled_mm as module
+        name = "scaled_mm_add"
+    else:
+        import asynctp.ops.cublaslt as module
+        name = "scaled_mm_lt"
     calls = [0]
-    real = kernel.scaled_mm_add
+    real = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    with mock.patch.object(kernel, "scaled_mm_add", counted):
+    with mock.patch.object(module, name, counted):
         check_rs(device, ndim=2, scatter_dim=0, a_mode="rowwise", b_mode="per_column", out_dtype=torch.bfloat16,
                  with_bias=False, reduce_op="sum", strategy="pipeline", seed=7)
     return calls[0] > 0
+
+
+def cublaslt_matches_fp32_math(device: str = "cuda") -> int:
+    """asynctp.ops.cublaslt.scaled_mm_lt on random fp8 data against fp32 math on the same values:
+    tensorwise, rowwise and mixed scales, bfloat16 and float32 out, with and without the addend
+    (beta = 1) and with the addend a view into a larger buffer's rows (the pipeline's blocks).
+    Each element within one rounding of out's dtype of the exact result plus an accumulation
+    slack of 2^-10 of the sum of the terms' magnitudes (Hopper's fp8 MMAs accumulate in reduced
+    precision between promotions; a wrong layout, scale or a missing addend is off by the
+    order of the result itself). Returns the number of cases."""
+    from asynctp.ops.cublaslt import scaled_mm_lt
+
+    gen = torch.Generator(device=device).manual_seed(11)
+    count = 0
+    for m, k, n in ((256, 512, 384), (1024, 3584, 1024), (48, 128, 80)):
+        a = (torch.randn(m, k, device=device, generator=gen) / 2).to(torch.float8_e4m3fn)
+        b = (torch.randn(n, k, device=device, generator=gen) / 2).to(torch.float8_e4m3fn).t()
+        product = a.float() @ b.float()
+        magnitude = a.float().abs() @ b.float().abs()
+        scales = {"tensorwise": (torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)),
+                  "rowwise": (torch.rand(m, 1, device=device, generator=gen) + 0.5,
+                              torch.rand(1, n, device=device, generator=gen) + 0.5),
+                  "a tensorwise, b rowwise": (torch.tensor(0.5, device=device),
+                                              torch.rand(1, n, device=device, generator=gen) + 0.5)}
+        for what, (sa, sb) in scales.items():
+            exact, mag = product * sa * sb, magnitude * sa * sb
+            for out_dtype in (torch.bfloat16, torch.float32):
+                base = torch.randn(m + 16, n, device=device, generator=gen).to(out_dtype)
+                for addend in (None, base[:m], base[16:]):
+                    out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)
+                    got = scaled_mm_lt(a, b, sa, sb, addend, out)
+                    assert got is out
+                    ref = exact if addend is None else exact + addend.float()
+                    eps = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-20
+                    slack = eps * ref.abs() + 2.0**-10 * mag + 1e-6
+                    bad = (got.float() - ref).abs() > slack
+                    assert not bad.any(), (f"{m}x{k}x{n} {what} {out_dtype} addend={addend is not None}: "
+                                           f"{int(bad.sum())} elements off, worst {(got.float() - ref).abs().max().item()}")
+                    count += 1
+    return count

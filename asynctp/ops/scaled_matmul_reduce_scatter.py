@@ -24,7 +24,9 @@ from asynctp.symm import resolve_group
 
 __all__ = ["scaled_matmul_reduce_scatter"]
 
-_EPILOGUE_ENV = "ASYNCTP_FP8_EPILOGUE"  # "1": 2 ranks add the received partial in a Triton GEMM's epilogue (experiment)
+# 2 ranks add the received partial in a GEMM's epilogue (experiments): "1" (or "triton") the Triton
+# GEMM of asynctp/ops/triton_scaled_mm.py, "cublaslt" cuBLASLt's with beta = 1 (asynctp/ops/cublaslt.py)
+_EPILOGUE_ENV = "ASYNCTP_FP8_EPILOGUE"
 
 
 def scaled_matmul_reduce_scatter(
@@ -123,16 +125,16 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
 
-    fused = _epilogue_kernel(world, reduce_op, a.device)
+    epilogue = _epilogue_kernel(world, reduce_op, a.device)
 
     def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
         # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself,
-        # unless the Triton GEMM does it (ASYNCTP_FP8_EPILOGUE=1)
+        # unless a GEMM with one does it (ASYNCTP_FP8_EPILOGUE)
         return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits,
-                                          fused_acc=fused)
+                                          fused_acc=epilogue is not None)
 
     def body():
-        return _pipelined(reduce_scatter, ws.rank, *args())
+        return _pipelined(reduce_scatter, ws.rank, *args(), epilogue=epilogue)
 
     key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
            tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
@@ -160,12 +162,14 @@ def _pipelined(
     reduce_op: str,
     bias: torch.Tensor | None,
     use_fast_accum: bool,
+    epilogue: str | None = None,
 ) -> torch.Tensor:
     """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
     the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1]).
     produce gets a partial to add (acc) only where reduce_scatter was told the GEMM can
-    accumulate (fused_acc: ASYNCTP_FP8_EPILOGUE=1); the Triton GEMM of
-    asynctp/ops/triton_scaled_mm.py then adds it in its epilogue, one rounding."""
+    accumulate (fused_acc: ASYNCTP_FP8_EPILOGUE); the GEMM named by `epilogue` ("triton": the
+    Triton GEMM of asynctp/ops/triton_scaled_mm.py, "cublaslt": cuBLASLt with beta = 1) then
+    adds it in its epilogue, one rounding."""
     chunk_shape = lay.chunk_shape(b.shape[1])
     n = chunk_shape[1]
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
@@ -186,6 +190,10 @@ def _pipelined(
     def gemm(a_rows, b_cols, a_s, b_s, out, addend):
         if addend is None:
             return scaled_mm(a_rows, b_cols, a_s, b_s, out_dtype, use_fast_accum=use_fast_accum, out=out)
+        if epilogue == "cublaslt":
+            from asynctp.ops.cublaslt import scaled_mm_lt
+
+            return scaled_mm_lt(a_rows, b_cols, a_s, b_s, addend, out, fast_accum=use_fast_accum)
         from asynctp.ops.triton_scaled_mm import default_config, scaled_mm_add
 
         cfg = default_config(*a_rows.shape, b_cols.shape[1])
@@ -214,19 +222,32 @@ def _pipelined(
     return lay.restore(out)
 
 
-def _epilogue_kernel(world: int, reduce_op: str, device: torch.device) -> bool:
-    """Whether 2 ranks' own blocks add the received partial in the Triton GEMM's epilogue
-    (ASYNCTP_FP8_EPILOGUE=1, an experiment: benchmarks/probe_fp8_epilogue.py measures the
-    kernel). Where it is asked for and cannot be used, a warning says why, once. Measured slower
-    than the default on 2xH200 (triton_scaled_mm's docstring), so off by default; the GPU fp8
-    reduce-scatter tests pass with it. The kernel is compiled and loaded at its first launch, which comes after
+def _epilogue_kernel(world: int, reduce_op: str, device: torch.device) -> str | None:
+    """Which GEMM adds the received partial in its epilogue on 2 ranks' own blocks: None (the
+    default: _scaled_mm, then a separate addition), "triton" (ASYNCTP_FP8_EPILOGUE=1 or triton:
+    benchmarks/probe_fp8_epilogue.py measured the kernel slower than the default on 2xH200,
+    triton_scaled_mm's docstring; the GPU fp8 reduce-scatter tests pass with it) or "cublaslt"
+    (ASYNCTP_FP8_EPILOGUE=cublaslt: cuBLASLt with beta = 1, asynctp/ops/cublaslt.py, not yet run
+    on a GPU). Where one is asked for and cannot be used, a warning says why, once, and the
+    default runs. The Triton kernel is compiled and loaded at its first launch, which comes after
     the wait for the peer's partial (a peer stuck at that very call blocks the host there, as
     the reduction's kernels did before pipeline._load_reduce_kernels)."""
-    if os.environ.get(_EPILOGUE_ENV, "") != "1":
-        return False
+    raw = os.environ.get(_EPILOGUE_ENV, "")
+    if raw in ("", "0"):
+        return None
+    kind = {"1": "triton", "triton": "triton", "cublaslt": "cublaslt"}.get(raw)
     why = None
-    if world != 2 or reduce_op != "sum":
+    if kind is None:
+        why = f"it takes 1, triton or cublaslt, got {raw!r}"
+    elif world != 2 or reduce_op != "sum":
         why = f"it applies to 2 ranks summing, got {world} ranks, reduce_op {reduce_op!r}"
+    elif kind == "cublaslt":
+        if device.type != "cuda":
+            why = f"cublaslt needs a CUDA device, got {device.type}"
+        else:
+            from asynctp.ops.cublaslt import available
+
+            why = available()
     elif device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         why = f"it needs a CUDA device (or TRITON_INTERPRET=1), got {device.type}"
     else:
@@ -235,6 +256,6 @@ def _epilogue_kernel(world: int, reduce_op: str, device: torch.device) -> bool:
         except ImportError as exc:
             why = f"triton is not importable ({exc})"
     if why is not None:
-        warn_once(f"fp8-epilogue:{why}", f"asynctp scaled_matmul_reduce_scatter: {_EPILOGUE_ENV}=1 ignored: {why}")
-        return False
-    return True
+        warn_once(f"fp8-epilogue:{why}", f"asynctp scaled_matmul_reduce_scatter: {_EPILOGUE_ENV}={raw} ignored: {why}")
+        return None
+    return kind

@@ -1,0 +1,189 @@
+"""The fp8 GEMM of torch._scaled_mm called on cuBLASLt directly, through ctypes (no build step),
+with what _scaled_mm does not expose: a C matrix apart from D and beta = 1, i.e.
+
+    out = scale_a * scale_b * (a @ b) + c        in one GEMM (c read in its epilogue)
+
+the accumulate epilogue that the fp8 reduce-scatter's own blocks lack: with _scaled_mm they add
+the received partial in a separate kernel, which cost 1.2-1.3x the GEMM alone (NOTES, twelfth
+session), and a Triton GEMM with the addition fused was slower than both. Used by
+scaled_matmul_reduce_scatter with ASYNCTP_FP8_EPILOGUE=cublaslt (an experiment, off by default)
+and by benchmarks/probe_fp8_epilogue.py. Written in the sixteenth session without device time:
+its descriptors were checked against libcublasLt 13.1 on a CPU machine (no GEMM ran); not yet run
+on a GPU.
+
+Layout: a [M, K] row-major and b [K, N] column-major, as _scaled_mm takes them; c and out [M, N]
+row-major, bfloat16 or float32. In cuBLAS's column-major terms out^T [N, M] = b^T [N, K] @ a^T
+[K, M]: b's memory is a K x N column-major matrix (ld K) used transposed, a's a K x M one (ld K)
+used as is, the "TN" form Hopper's fp8 GEMMs require. So cuBLAS's A is b (its scale: scale_b)
+and its B is a. Scales: float32, tensorwise (one element each) or rowwise (scale_a [M, 1] and
+scale_b [1, N]; one tensorwise next to a rowwise one is expanded): cuBLASLt's outer-vector mode,
+which needs a cuBLAS that has it for the GPU at hand; an unsupported case fails in the heuristic
+query with cuBLAS's status string. The workspace is allocated per call from torch's caching
+allocator on the current stream (stream-ordered, and inside a CUDA graph capture from its pool).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+__all__ = ["scaled_mm_lt", "available"]
+
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16BF = 0, 14
+_OUT = {torch.bfloat16: _R_16BF, torch.float32: _R_32F}
+_FP8 = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29}
+_COMPUTE_32F = 68
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
+_DESC_FAST_ACCUM = 25
+_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
+_SCALE_SCALAR_32F, _SCALE_OUTER_VEC_32F = 0, 3
+_PREF_MAX_WORKSPACE_BYTES = 1
+_WORKSPACE_BYTES = 32 << 20
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    """The libcublasLt that torch loaded (found in the process's maps after a GEMM), else by name."""
+    if not torch.cuda.is_current_stream_capturing():  # (a GEMM loads cuBLAS; a capture forbids the sync)
+        x = torch.ones(8, 8, device="cuda")
+        torch.mm(x, x)
+        torch.cuda.synchronize()
+    with open("/proc/self/maps") as f:
+        loaded = sorted({line.split()[-1] for line in f if "libcublasLt" in line})
+    for name in [*loaded, "libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.cublasLtGetStatusString.restype = ctypes.c_char_p
+        lib.cublasLtGetStatusString.argtypes = [ctypes.c_int]
+        vp, size = ctypes.c_void_p, ctypes.c_size_t
+        for fn, args in (
+            ("cublasLtCreate", [vp]),
+            ("cublasLtMatmulDescCreate", [vp, ctypes.c_int, ctypes.c_int]),
+            ("cublasLtMatmulDescSetAttribute", [vp, ctypes.c_int, vp, size]),
+            ("cublasLtMatrixLayoutCreate", [vp, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]),
+            ("cublasLtMatmulPreferenceCreate", [vp]),
+            ("cublasLtMatmulPreferenceSetAttribute", [vp, ctypes.c_int, vp, size]),
+            ("cublasLtMatmulAlgoGetHeuristic", [vp] * 7 + [ctypes.c_int, vp, vp]),
+            ("cublasLtMatmul", [vp] * 14 + [size, vp]),
+        ):
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = ctypes.c_int
+        return lib
+    raise RuntimeError(f"cublasLt requires libcublasLt loaded by torch or on the loader path, got none (maps: {loaded})")
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cublasLt {what} failed: {_lib().cublasLtGetStatusString(status).decode()} ({status})")
+
+
+@functools.cache
+def _handle() -> ctypes.c_void_p:
+    handle = ctypes.c_void_p()
+    _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return handle
+
+
+def _set(setter, obj: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData, what: str) -> None:
+    _check(setter(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), what)
+
+
+def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+    lay = ctypes.c_void_p()
+    _check(_lib().cublasLtMatrixLayoutCreate(ctypes.byref(lay), ctypes.c_int(dtype), ctypes.c_uint64(rows),
+                                             ctypes.c_uint64(cols), ctypes.c_int64(ld)), "MatrixLayoutCreate")
+    return lay
+
+
+@functools.cache
+def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise: bool, fast: bool) -> tuple:
+    """(matmul descriptor, layouts A, B, C/D, algorithm) for one problem, cached: descriptors hold
+    no pointers but the scales', which each call sets."""
+    lib = _lib()
+    desc = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F)),
+           "MatmulDescCreate")
+    setter = lib.cublasLtMatmulDescSetAttribute
+    _set(setter, desc, _DESC_TRANSA, ctypes.c_int32(_OP_T), "TRANSA")
+    _set(setter, desc, _DESC_TRANSB, ctypes.c_int32(_OP_N), "TRANSB")
+    _set(setter, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1 if fast else 0), "FAST_ACCUM")
+    mode = _SCALE_OUTER_VEC_32F if rowwise else _SCALE_SCALAR_32F
+    _set(setter, desc, _DESC_A_SCALE_MODE, ctypes.c_int32(mode), "A_SCALE_MODE")
+    _set(setter, desc, _DESC_B_SCALE_MODE, ctypes.c_int32(mode), "B_SCALE_MODE")
+    lay_a = _layout(fp8_b, k, n, k)  # cuBLAS's A: torch's b, K x N column-major, transposed
+    lay_b = _layout(fp8_a, k, m, k)  # cuBLAS's B: torch's a, K x M column-major
+    lay_c = _layout(out_type, n, m, n)  # C and D: out^T, N x M column-major
+    pref = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+    _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
+         ctypes.c_uint64(_WORKSPACE_BYTES), "MAX_WORKSPACE_BYTES")
+    result, count = _Heuristic(), ctypes.c_int(0)
+    _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(), desc, lay_a, lay_b, lay_c, lay_c, pref, 1,
+                                              ctypes.byref(result), ctypes.byref(count)), "AlgoGetHeuristic")
+    if count.value < 1 or result.state != 0:
+        raise RuntimeError(f"cublasLt has no algorithm for fp8 {m}x{n}x{k} (rowwise={rowwise}, fast={fast}): "
+                           f"{count.value} returned, state {result.state}")
+    return desc, lay_a, lay_b, lay_c, result
+
+
+def available() -> str | None:
+    """None where scaled_mm_lt can run here, else why not (a line)."""
+    if not torch.cuda.is_available():
+        return "it needs a CUDA device, got none"
+    try:
+        _handle()
+    except (RuntimeError, OSError, AttributeError) as exc:
+        return f"libcublasLt could not be used ({exc})"
+    return None
+
+
+def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 c: torch.Tensor | None, out: torch.Tensor, *, fast_accum: bool = False) -> torch.Tensor:
+    """out = scale_a * scale_b * (a @ b) (+ c when given, in the GEMM's epilogue: one rounding);
+    see the module docstring for the layouts. Returns out."""
+    m, k = a.shape
+    n = b.shape[1]
+    if a.dtype not in _FP8 or b.dtype not in _FP8:
+        raise TypeError(f"scaled_mm_lt requires float8 a and b, got {a.dtype} and {b.dtype}")
+    if b.shape[0] != k or a.stride() != (k, 1) or b.stride() != (1, k):
+        raise ValueError(f"scaled_mm_lt requires a [M, K] row-major and b [K, N] column-major, got shapes "
+                         f"{tuple(a.shape)}, {tuple(b.shape)} and strides {a.stride()}, {b.stride()}")
+    if out.dtype not in _OUT:
+        raise TypeError(f"scaled_mm_lt requires out of bfloat16 or float32, got {out.dtype}")
+    for name, t in (("out", out), ("c", c)):
+        if t is not None and (t.dtype != out.dtype or tuple(t.shape) != (m, n) or t.stride() != (n, 1)):
+            raise ValueError(f"scaled_mm_lt requires {name} a contiguous {out.dtype} [{m}, {n}], got {t.dtype} "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
+    if rowwise:  # outer vectors, both: M and N float32 elements, contiguous
+        scale_a = scale_a.reshape(-1).expand(m).contiguous() if scale_a.numel() == 1 else scale_a.reshape(-1)
+        scale_b = scale_b.reshape(-1).expand(n).contiguous() if scale_b.numel() == 1 else scale_b.reshape(-1)
+        if scale_a.numel() != m or scale_b.numel() != n or not (scale_a.is_contiguous() and scale_b.is_contiguous()):
+            raise ValueError(f"scaled_mm_lt requires rowwise scales of {m} and {n} contiguous elements, got "
+                             f"{scale_a.numel()} and {scale_b.numel()}")
+    desc, lay_a, lay_b, lay_c, heuristic = _plan(m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise,
+                                                 fast_accum)
+    lib = _lib()
+    setter = lib.cublasLtMatmulDescSetAttribute
+    _set(setter, desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(scale_b.data_ptr()), "A_SCALE_POINTER")
+    _set(setter, desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(scale_a.data_ptr()), "B_SCALE_POINTER")
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0 if c is None else 1.0)
+    # stream-ordered: the caching allocator hands this block to no other stream while it is in use
+    workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=out.device)
+    _check(lib.cublasLtMatmul(
+        _handle(), desc, ctypes.byref(alpha), ctypes.c_void_p(b.data_ptr()), lay_a, ctypes.c_void_p(a.data_ptr()), lay_b,
+        ctypes.byref(beta), ctypes.c_void_p((out if c is None else c).data_ptr()), lay_c, ctypes.c_void_p(out.data_ptr()),
+        lay_c, ctypes.byref(heuristic.algo), ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(_WORKSPACE_BYTES),
+        ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)), "Matmul")
+    return out
