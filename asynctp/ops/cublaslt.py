@@ -42,6 +42,7 @@ _DESC_FAST_ACCUM = 25
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
 _SCALE_SCALAR_32F, _SCALE_OUTER_VEC_32F = 0, 3
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}  # bytes; cuBLASLt assumes 256 where unset
 _WORKSPACE_BYTES = 32 << 20
 
 
@@ -107,9 +108,11 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
 
 
 @functools.cache
-def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise: bool, fast: bool) -> tuple:
+def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise: bool, fast: bool,
+          align: tuple[int, int, int, int]) -> tuple:
     """(matmul descriptor, layouts A, B, C/D, algorithm) for one problem, cached: descriptors hold
-    no pointers but the scales', which each call sets."""
+    no pointers but the scales', which each call sets. align: the byte alignment of cuBLAS's A, B,
+    C and D pointers (the algorithm must work with them: the pipeline's blocks start mid-buffer)."""
     lib = _lib()
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F)),
@@ -128,6 +131,8 @@ def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise
     _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
     _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
          ctypes.c_uint64(_WORKSPACE_BYTES), "MAX_WORKSPACE_BYTES")
+    for (name, attr), value in zip(_PREF_MIN_ALIGNMENT.items(), align):
+        _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(value), f"MIN_ALIGNMENT_{name}_BYTES")
     result, count = _Heuristic(), ctypes.c_int(0)
     _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(), desc, lay_a, lay_b, lay_c, lay_c, pref, 1,
                                               ctypes.byref(result), ctypes.byref(count)), "AlgoGetHeuristic")
@@ -135,6 +140,12 @@ def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise
         raise RuntimeError(f"cublasLt has no algorithm for fp8 {m}x{n}x{k} (rowwise={rowwise}, fast={fast}): "
                            f"{count.value} returned, state {result.state}")
     return desc, lay_a, lay_b, lay_c, result
+
+
+def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two (at most 256) that divides t's address."""
+    ptr = t.data_ptr()
+    return 256 if ptr % 256 == 0 else ptr & -ptr
 
 
 def available() -> str | None:
@@ -172,8 +183,9 @@ def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
         if scale_a.numel() != m or scale_b.numel() != n or not (scale_a.is_contiguous() and scale_b.is_contiguous()):
             raise ValueError(f"scaled_mm_lt requires rowwise scales of {m} and {n} contiguous elements, got "
                              f"{scale_a.numel()} and {scale_b.numel()}")
+    align = (_alignment(b), _alignment(a), _alignment(out if c is None else c), _alignment(out))
     desc, lay_a, lay_b, lay_c, heuristic = _plan(m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise,
-                                                 fast_accum)
+                                                 fast_accum, align)
     lib = _lib()
     setter = lib.cublasLtMatmulDescSetAttribute
     _set(setter, desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(scale_b.data_ptr()), "A_SCALE_POINTER")
