@@ -87,8 +87,9 @@ def loss_notes(base: str, compared: dict[str, dict[str, Any]], batch_size: int) 
         line += (f"rounding alone (the 1-ulp control) moved it by {control['max_rel_loss_diff']:.2e}" if control
                  else "add --control to see how far rounding alone moves it")
         if name == torch_pass_name and batch_size > 1:
-            line += ("; torch 2.11's async-TP pass computed wrong gradients for this model at batch > 1 (GQA with the "
-                     "compiled RoPE; benchmarks/probe_torch_async_tp_numerics.py checks a torch release)")
+            line += ("; torch 2.11's async-TP pass computed wrong gradients for this model at batch > 1 (it feeds "
+                     "cuDNN's attention backward a strided gradient that cuDNN 9.19 gets wrong; turning cuDNN attention "
+                     "off avoids it; benchmarks/probe_torch_async_tp_numerics.py checks a torch release)")
         notes.append(line)
     return notes
 

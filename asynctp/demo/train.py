@@ -215,21 +215,22 @@ class _Run:
         batches = [self.data.batch(cfg.batch_size, cfg.seq_len).to(device) for _ in range(count)]
         gc.collect()
         _sync(device)
-        first = graphs.stats()
+        before = graphs.stats()
         losses = []
         start = time.perf_counter()
         for tokens in batches:
-            before, queued = graphs.stats(), time.perf_counter()
+            queued = time.perf_counter()
             losses.append(_queue_step(self.model, self.opt, tokens))
             result.host_times.append(time.perf_counter() - queued)
             after = graphs.stats()
             # eager, captured, replayed and the eager calls' reasons
-            result.graph_calls_last_step = {k: after[k] - before[k] for k in after if k != "graphs"}
+            calls = {k: after[k] - before[k] for k in after if k != "graphs"}
+            for k, v in calls.items():
+                result.graph_calls[k] = result.graph_calls.get(k, 0) + v
+            result.graph_calls_last_step, before = calls, after
         values = [loss.item() for loss in losses]
         _sync(device)
         seconds = (time.perf_counter() - start) / count
-        for k in result.graph_calls_last_step:
-            result.graph_calls[k] = result.graph_calls.get(k, 0) + after[k] - first[k]
         result.losses += values
         result.step_times += [seconds] * count
         return [(loss, seconds) for loss in values]

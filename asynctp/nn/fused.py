@@ -39,7 +39,7 @@ def matmul_sum_scatter(
     """sum_i a_list[i] @ b_list[i], reduce-scattered; traced as the concatenations' one op.
     ASYNCTP_DGRAD_CAT=1 concatenates in eager mode too (the pre-fifteenth-session path, for A/B
     measurements)."""
-    if len(a_list) == 1 or torch.compiler.is_compiling() or os.environ.get("ASYNCTP_DGRAD_CAT") == "1":
+    if torch.compiler.is_compiling() or os.environ.get("ASYNCTP_DGRAD_CAT") == "1":
         return matmul_scatter(*concat_terms(a_list, b_list), dim, group_name, None, strategy)
     return matmul_sum_reduce_scatter(a_list, b_list, dim, group_name, strategy=strategy)
 

@@ -108,7 +108,7 @@ def matmul_sum_reduce_scatter(
                              f"like a_list[0], got {tuple(a.shape)}, {a.dtype} on {a.device}")
         if b.shape[1] != b0.shape[1]:
             raise ValueError(f"b_list[{i}] requires {b0.shape[1]} columns like b_list[0], got {tuple(b.shape)}")
-    if len(a_list) == 1 or not eager_call_ok(*a_list, *b_list, bias):
+    if not eager_call_ok(*a_list, *b_list, bias):
         a_cat, b_cat = concat_terms(a_list, b_list)
         return matmul_reduce_scatter(a_cat, b_cat, scatter_dim, pg, reduce_op=reduce_op, bias=bias, strategy=strategy)
     return _run_terms(list(a_list), list(b_list), dims[0], pg, reduce_op, bias, strategy)
