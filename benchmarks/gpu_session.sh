@@ -42,8 +42,8 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     fp8epiop) ASYNCTP_FP8_EPILOGUE=1 step 150 gpu_tests_fp8_epilogue python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py -k "reduce_scatter"
               for op in scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise; do ASYNCTP_FP8_EPILOGUE=1 step ${FP8_LIMIT:-60} bench_epilogue_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_epilogue_op; done ;;
     fp8lt) step 200 gpu_tests_cublaslt python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py -k cublaslt  # issue 4: cuBLASLt's accumulate epilogue
-           PROBE_CONFIGS="128,256,128,8,3,0" PROBE_PROMOTE=block TAILN=12 step ${EPI_LIMIT:-120} probe_fp8_epilogue_lt python3 benchmarks/probe_fp8_epilogue.py $R/fp8_epilogue_lt
-           for op in scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise; do
+           TAILN=8 step ${EPI_LIMIT:-120} probe_cublaslt_algos python3 benchmarks/probe_cublaslt_algos.py $R/cublaslt_algos
+           for op in ${LT_OPS:-scaled_matmul_reduce_scatter_tensorwise}; do
              step ${FP8_LIMIT:-60} bench_default_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_default_op
              ASYNCTP_FP8_EPILOGUE=cublaslt step ${FP8_LIMIT:-60} bench_cublaslt_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_cublaslt_op; done ;;
     democmp) for bs in ${CMP_BATCHES:-2}; do  # issue 5: eager asynctp vs compiled vanilla + torch's async TP, one machine

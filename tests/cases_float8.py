@@ -685,8 +685,10 @@ def fp8_epilogue_used(device: str, kind: str = "triton") -> bool:
         calls[0] += 1
         return real(*args, **kwargs)
 
+    # cuBLASLt on sm_90 has no rowwise (outer-vector) fp8 scales: tensorwise there
+    a_mode, b_mode = ("tensorwise", "tensorwise") if kind == "cublaslt" else ("rowwise", "per_column")
     with mock.patch.object(module, name, counted):
-        check_rs(device, ndim=2, scatter_dim=0, a_mode="rowwise", b_mode="per_column", out_dtype=torch.bfloat16,
+        check_rs(device, ndim=2, scatter_dim=0, a_mode=a_mode, b_mode=b_mode, out_dtype=torch.bfloat16,
                  with_bias=False, reduce_op="sum", strategy="pipeline", seed=7)
     return calls[0] > 0
 
@@ -698,8 +700,11 @@ def cublaslt_matches_fp32_math(device: str = "cuda") -> int:
     Each element within one rounding of out's dtype of the exact result plus an accumulation
     slack of 2^-10 of the sum of the terms' magnitudes (Hopper's fp8 MMAs accumulate in reduced
     precision between promotions; a wrong layout, scale or a missing addend is off by the
-    order of the result itself). Returns the number of cases."""
-    from asynctp.ops.cublaslt import scaled_mm_lt
+    order of the result itself). Where cuBLASLt says it has no algorithm for rowwise scales on
+    this GPU (supports(), sm_90), those cases must raise Unsupported, before any launch, and
+    are not counted; fast_accum and an explicit candidate index (algo=) are covered too.
+    Returns the number of cases."""
+    from asynctp.ops.cublaslt import Unsupported, candidate_configs, scaled_mm_lt, supports
 
     gen = torch.Generator(device=device).manual_seed(11)
     count = 0
@@ -715,17 +720,31 @@ def cublaslt_matches_fp32_math(device: str = "cuda") -> int:
                                               torch.rand(1, n, device=device, generator=gen) + 0.5)}
         for what, (sa, sb) in scales.items():
             exact, mag = product * sa * sb, magnitude * sa * sb
+            if what != "tensorwise" and supports(True, torch.device(device).index or 0) is not None:
+                out = torch.full((m, n), float("nan"), device=device)
+                try:
+                    scaled_mm_lt(a, b, sa, sb, None, out)
+                except Unsupported:
+                    assert out.isnan().all(), "an unsupported call wrote its output"
+                    continue
+                raise AssertionError(f"supports() says no rowwise scales here, yet scaled_mm_lt ran ({what})")
             for out_dtype in (torch.bfloat16, torch.float32):
                 base = torch.randn(m + 16, n, device=device, generator=gen).to(out_dtype)
-                for addend in (None, base[:m], base[16:]):
+                for addend, fast, algo in ((None, False, None), (base[:m], False, None), (base[16:], False, None),
+                                           (base[:m], True, None), (base[:m], False, -1)):
                     out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)
-                    got = scaled_mm_lt(a, b, sa, sb, addend, out)
+                    if algo == -1:  # the heuristic's last candidate, whatever the tuning picked
+                        algo = len(candidate_configs(a, b, what != "tensorwise", base[:m], fast)) - 1
+                    got = scaled_mm_lt(a, b, sa, sb, addend, out, fast_accum=fast, algo=algo)
                     assert got is out
                     ref = exact if addend is None else exact + addend.float()
                     eps = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-20
-                    slack = eps * ref.abs() + 2.0**-10 * mag + 1e-6
+                    # fast accumulation never promotes: the tensor cores' ~2^-13-relative sums
+                    # over K = 3584 terms, bounded loosely by 2^-7 of the magnitudes
+                    slack = eps * ref.abs() + (2.0**-7 if fast else 2.0**-10) * mag + 1e-6
                     bad = (got.float() - ref).abs() > slack
-                    assert not bad.any(), (f"{m}x{k}x{n} {what} {out_dtype} addend={addend is not None}: "
+                    assert not bad.any(), (f"{m}x{k}x{n} {what} {out_dtype} addend={addend is not None} fast={fast} "
+                                           f"algo={algo}: "
                                            f"{int(bad.sum())} elements off, worst {(got.float() - ref).abs().max().item()}")
                     count += 1
     return count

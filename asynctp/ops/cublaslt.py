@@ -17,19 +17,30 @@ row-major, bfloat16 or float32. In cuBLAS's column-major terms out^T [N, M] = b^
 used as is, the "TN" form Hopper's fp8 GEMMs require. So cuBLAS's A is b (its scale: scale_b)
 and its B is a. Scales: float32, tensorwise (one element each) or rowwise (scale_a [M, 1] and
 scale_b [1, N]; one tensorwise next to a rowwise one is expanded): cuBLASLt's outer-vector mode,
-which needs a cuBLAS that has it for the GPU at hand; an unsupported case fails in the heuristic
-query with cuBLAS's status string. The workspace is allocated per call from torch's caching
+which needs a cuBLAS that has it for the GPU at hand: on 2xH200 (sm_90, the cuBLASLt of torch
+2.11's cu130 wheels) the heuristic query refuses it (status 7, "an unsupported value or
+parameter", seventeenth session), so rowwise scales raise Unsupported there; supports() asks
+cuBLASLt once per GPU and mode. The workspace is allocated per call from torch's caching
 allocator on the current stream (stream-ordered, and inside a CUDA graph capture from its pool).
+
+Algorithm choice: cuBLASLt's heuristic returns up to 8 candidates; its first one, fine for beta
+= 0, was 1.35x slower than the GEMM alone with beta = 1 at 4096 rows (seventeenth session). So
+the first call of a problem outside a CUDA graph capture times each candidate on scratch
+operands of the same shape on a side stream (it waits for nothing queued on the caller's
+streams, so ranks in the middle of a pipeline cannot wait on each other through it) and keeps
+the fastest; a first call inside a capture takes the heuristic's first, without remembering it.
+ASYNCTP_CUBLASLT_TUNE=0 always takes the heuristic's first. tuning() reports what was chosen.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
-__all__ = ["scaled_mm_lt", "available"]
+__all__ = ["scaled_mm_lt", "available", "supports", "tuning", "candidate_configs", "Unsupported"]
 
 _OP_N, _OP_T = 0, 1
 _R_32F, _R_16BF = 0, 14
@@ -44,6 +55,15 @@ _SCALE_SCALAR_32F, _SCALE_OUTER_VEC_32F = 0, 3
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}  # bytes; cuBLASLt assumes 256 where unset
 _WORKSPACE_BYTES = 32 << 20
+_MAX_ALGOS = 8
+_STATUS_NOT_SUPPORTED = 15
+_STATUS_INVALID_VALUE = 7
+_ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
+                "inner_shape": 7, "cluster_shape": 8}
+
+
+class Unsupported(RuntimeError):
+    """cuBLASLt has no algorithm for this problem on this GPU (e.g. rowwise scales on sm_90)."""
 
 
 class _Heuristic(ctypes.Structure):
@@ -77,6 +97,7 @@ def _lib() -> ctypes.CDLL:
             ("cublasLtMatmulPreferenceSetAttribute", [vp, ctypes.c_int, vp, size]),
             ("cublasLtMatmulAlgoGetHeuristic", [vp] * 7 + [ctypes.c_int, vp, vp]),
             ("cublasLtMatmul", [vp] * 14 + [size, vp]),
+            ("cublasLtMatmulAlgoConfigGetAttribute", [vp, ctypes.c_int, vp, size, vp]),
         ):
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = ctypes.c_int
@@ -110,7 +131,7 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
 @functools.cache
 def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise: bool, fast: bool,
           align: tuple[int, int, int, int]) -> tuple:
-    """(matmul descriptor, layouts A, B, C/D, algorithm) for one problem, cached: descriptors hold
+    """(matmul descriptor, layouts A, B, C/D, candidate algorithms) for one problem, cached: descriptors hold
     no pointers but the scales', which each call sets. align: the byte alignment of cuBLAS's A, B,
     C and D pointers (the algorithm must work with them: the pipeline's blocks start mid-buffer)."""
     lib = _lib()
@@ -133,13 +154,18 @@ def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise
          ctypes.c_uint64(_WORKSPACE_BYTES), "MAX_WORKSPACE_BYTES")
     for (name, attr), value in zip(_PREF_MIN_ALIGNMENT.items(), align):
         _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(value), f"MIN_ALIGNMENT_{name}_BYTES")
-    result, count = _Heuristic(), ctypes.c_int(0)
-    _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(), desc, lay_a, lay_b, lay_c, lay_c, pref, 1,
-                                              ctypes.byref(result), ctypes.byref(count)), "AlgoGetHeuristic")
-    if count.value < 1 or result.state != 0:
-        raise RuntimeError(f"cublasLt has no algorithm for fp8 {m}x{n}x{k} (rowwise={rowwise}, fast={fast}): "
-                           f"{count.value} returned, state {result.state}")
-    return desc, lay_a, lay_b, lay_c, result
+    results, count = (_Heuristic * _MAX_ALGOS)(), ctypes.c_int(0)
+    status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(), desc, lay_a, lay_b, lay_c, lay_c, pref, _MAX_ALGOS,
+                                                results, ctypes.byref(count))
+    what = f"fp8 {m}x{n}x{k} ({'rowwise' if rowwise else 'tensorwise'} scales, fast_accum={fast})"
+    if status in (_STATUS_INVALID_VALUE, _STATUS_NOT_SUPPORTED):
+        raise Unsupported(f"cublasLt has no algorithm for {what} on this GPU: AlgoGetHeuristic says "
+                          f"{lib.cublasLtGetStatusString(status).decode()} ({status})")
+    _check(status, "AlgoGetHeuristic")
+    candidates = tuple(results[i] for i in range(count.value) if results[i].state == 0)
+    if not candidates:
+        raise Unsupported(f"cublasLt has no algorithm for {what}: {count.value} returned, none usable")
+    return desc, lay_a, lay_b, lay_c, candidates
 
 
 def _alignment(t: torch.Tensor) -> int:
@@ -159,10 +185,106 @@ def available() -> str | None:
     return None
 
 
+@functools.cache
+def supports(rowwise: bool, device_index: int) -> str | None:
+    """None where cuBLASLt has an fp8 algorithm with these scales on this GPU (asked once, with a
+    small problem: no GEMM runs), else why not (a line)."""
+    why = available()
+    if why is not None:
+        return why
+    with torch.cuda.device(device_index):
+        try:
+            _plan(256, 256, 256, _FP8[torch.float8_e4m3fn], _FP8[torch.float8_e4m3fn], _R_16BF, rowwise, False,
+                  (256, 256, 256, 256))
+        except Unsupported as exc:
+            major, minor = torch.cuda.get_device_capability(device_index)
+            return f"{exc} (sm_{major}{minor})"
+    return None
+
+
+_chosen: dict[tuple, int] = {}
+_tunings: dict[tuple, dict] = {}
+
+
+def tuning() -> list[dict]:
+    """The problems tuned in this process: shape, flags, each candidate's config and time (us),
+    and the index chosen."""
+    return list(_tunings.values())
+
+
+def algo_config(heuristic: _Heuristic) -> dict[str, int]:
+    """A candidate's configuration (cuBLASLt's ALGO_CONFIG attributes: tile, split-K, stages...)."""
+    lib, got = _lib(), {}
+    for name, attr in _ALGO_CONFIG.items():
+        value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(heuristic.algo), attr, ctypes.byref(value),
+                                                     ctypes.sizeof(value), ctypes.byref(written)) == 0:
+            got[name] = int(value.value) & ((1 << (8 * written.value)) - 1) if written.value else 0
+    return got
+
+
+def _launch(plan: tuple, algo: int, a_ptr: int, b_ptr: int, sa_ptr: int, sb_ptr: int, c_ptr: int | None, out_ptr: int,
+            device: torch.device) -> None:
+    desc, lay_a, lay_b, lay_c, candidates = plan
+    lib = _lib()
+    setter = lib.cublasLtMatmulDescSetAttribute
+    _set(setter, desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(sb_ptr), "A_SCALE_POINTER")
+    _set(setter, desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(sa_ptr), "B_SCALE_POINTER")
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0 if c_ptr is None else 1.0)
+    # stream-ordered: the caching allocator hands this block to no other stream while it is in use
+    workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    _check(lib.cublasLtMatmul(
+        _handle(), desc, ctypes.byref(alpha), ctypes.c_void_p(b_ptr), lay_a, ctypes.c_void_p(a_ptr), lay_b,
+        ctypes.byref(beta), ctypes.c_void_p(out_ptr if c_ptr is None else c_ptr), lay_c, ctypes.c_void_p(out_ptr),
+        lay_c, ctypes.byref(candidates[algo].algo), ctypes.c_void_p(workspace.data_ptr()),
+        ctypes.c_size_t(_WORKSPACE_BYTES), ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)), "Matmul")
+
+
+def _tune(plan: tuple, key: tuple, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+          with_c: bool, out: torch.Tensor) -> int:
+    """Times each candidate on scratch operands shaped like the call's (values do not matter to
+    a GEMM's time) on a side stream, round-robin over 3 rounds of 5 launches, the median round
+    kept; returns the fastest one's index."""
+    device = out.device
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        a_s = torch.zeros(m, k, dtype=torch.uint8, device=device).view(a.dtype)
+        b_s = torch.zeros(n, k, dtype=torch.uint8, device=device).view(b.dtype).t()
+        sa, sb = torch.ones_like(scale_a), torch.ones_like(scale_b)
+        c_s = torch.zeros(m, n, dtype=out.dtype, device=device) if with_c else None
+        o_s = torch.empty(m, n, dtype=out.dtype, device=device)
+        ptrs = (a_s.data_ptr(), b_s.data_ptr(), sa.data_ptr(), sb.data_ptr(), None if c_s is None else c_s.data_ptr(),
+                o_s.data_ptr())
+        candidates = plan[4]
+        times: list[list[float]] = [[] for _ in candidates]
+        for i in range(len(candidates)):  # warm-up: each once
+            _launch(plan, i, *ptrs, device)
+        for _ in range(3):
+            for i in range(len(candidates)):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(side)
+                for _ in range(5):
+                    _launch(plan, i, *ptrs, device)
+                end.record(side)
+                end.synchronize()
+                times[i].append(start.elapsed_time(end) * 1000 / 5)
+    side.synchronize()
+    medians = [sorted(t)[1] for t in times]
+    best = min(range(len(candidates)), key=medians.__getitem__)
+    _tunings[key] = {"m": m, "n": n, "k": k, "out": str(out.dtype), "fast_accum": key[-3], "rowwise": key[-4],
+                     "beta": 1 if with_c else 0, "chosen": best,
+                     "candidates": [{**algo_config(h), "workspace": int(h.workspaceSize), "waves": round(h.wavesCount, 3),
+                                     "us": round(t, 1)} for h, t in zip(candidates, medians)]}
+    return best
+
+
 def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                 c: torch.Tensor | None, out: torch.Tensor, *, fast_accum: bool = False) -> torch.Tensor:
+                 c: torch.Tensor | None, out: torch.Tensor, *, fast_accum: bool = False,
+                 algo: int | None = None) -> torch.Tensor:
     """out = scale_a * scale_b * (a @ b) (+ c when given, in the GEMM's epilogue: one rounding);
-    see the module docstring for the layouts. Returns out."""
+    see the module docstring for the layouts and the choice of algorithm (algo: an index into
+    cuBLASLt's candidates instead, for probes). Returns out."""
     m, k = a.shape
     n = b.shape[1]
     if a.dtype not in _FP8 or b.dtype not in _FP8:
@@ -176,6 +298,9 @@ def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
         if t is not None and (t.dtype != out.dtype or tuple(t.shape) != (m, n) or t.stride() != (n, 1)):
             raise ValueError(f"scaled_mm_lt requires {name} a contiguous {out.dtype} [{m}, {n}], got {t.dtype} "
                              f"{tuple(t.shape)} strides {t.stride()}")
+    if c is not None and c.data_ptr() == out.data_ptr():
+        raise ValueError("scaled_mm_lt requires c apart from out (beta = 1 reads C while D is written), got the "
+                         "same memory")
     rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
     if rowwise:  # outer vectors, both: M and N float32 elements, contiguous
         scale_a = scale_a.reshape(-1).expand(m).contiguous() if scale_a.numel() == 1 else scale_a.reshape(-1)
@@ -184,18 +309,30 @@ def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
             raise ValueError(f"scaled_mm_lt requires rowwise scales of {m} and {n} contiguous elements, got "
                              f"{scale_a.numel()} and {scale_b.numel()}")
     align = (_alignment(b), _alignment(a), _alignment(out if c is None else c), _alignment(out))
-    desc, lay_a, lay_b, lay_c, heuristic = _plan(m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise,
-                                                 fast_accum, align)
-    lib = _lib()
-    setter = lib.cublasLtMatmulDescSetAttribute
-    _set(setter, desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(scale_b.data_ptr()), "A_SCALE_POINTER")
-    _set(setter, desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(scale_a.data_ptr()), "B_SCALE_POINTER")
-    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0 if c is None else 1.0)
-    # stream-ordered: the caching allocator hands this block to no other stream while it is in use
-    workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=out.device)
-    _check(lib.cublasLtMatmul(
-        _handle(), desc, ctypes.byref(alpha), ctypes.c_void_p(b.data_ptr()), lay_a, ctypes.c_void_p(a.data_ptr()), lay_b,
-        ctypes.byref(beta), ctypes.c_void_p((out if c is None else c).data_ptr()), lay_c, ctypes.c_void_p(out.data_ptr()),
-        lay_c, ctypes.byref(heuristic.algo), ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(_WORKSPACE_BYTES),
-        ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream)), "Matmul")
+    args = (m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise, fast_accum, align)
+    plan = _plan(*args)
+    if algo is None:
+        key = (*args, c is not None)
+        algo = _chosen.get(key)
+        if algo is None:
+            if len(plan[4]) == 1 or os.environ.get("ASYNCTP_CUBLASLT_TUNE", "1") == "0":
+                algo = _chosen[key] = 0
+            elif torch.cuda.is_current_stream_capturing():
+                algo = 0  # no timing inside a capture; a later eager call tunes
+            else:
+                algo = _chosen[key] = _tune(plan, key, a, b, scale_a, scale_b, c is not None, out)
+    elif not 0 <= algo < len(plan[4]):
+        raise ValueError(f"scaled_mm_lt requires algo in [0, {len(plan[4])}) (cuBLASLt's candidates), got {algo}")
+    _launch(plan, algo, a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
+            None if c is None else c.data_ptr(), out.data_ptr(), out.device)
     return out
+
+
+def candidate_configs(a: torch.Tensor, b: torch.Tensor, rowwise: bool, out: torch.Tensor,
+                      fast_accum: bool = False) -> list[dict]:
+    """cuBLASLt's candidates for a problem (for probes): each one's config."""
+    m, k = a.shape
+    n = b.shape[1]
+    align = (_alignment(b), _alignment(a), _alignment(out), _alignment(out))
+    plan = _plan(m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise, fast_accum, align)
+    return [{**algo_config(h), "workspace": int(h.workspaceSize), "waves": round(h.wavesCount, 3)} for h in plan[4]]

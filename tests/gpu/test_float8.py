@@ -65,7 +65,9 @@ def test_quantize_kernels_match_torch_bit_for_bit(pool):
 
 def test_cublaslt_gemm_matches_fp32_math(pool):
     """asynctp.ops.cublaslt (ctypes cuBLASLt, beta = 1): every rank on its own GPU."""
-    assert pool.run(cases.cublaslt_matches_fp32_math, DEVICE)[0] == 3 * 3 * 2 * 3
+    counts = pool.run(cases.cublaslt_matches_fp32_math, DEVICE)
+    # 3 shapes x 2 out dtypes x 5 variants, per scale mode cuBLASLt has here (tensorwise: all GPUs)
+    assert counts[0] in (3 * 2 * 5, 3 * 3 * 2 * 5), counts
 
 
 @pytest.mark.parametrize("splits", ["1", "3"])

@@ -68,6 +68,8 @@ def test_scaled_mm_lt_checks_its_arguments_first():
         cublaslt.scaled_mm_lt(a, b, one, one, out.t(), out)
     with pytest.raises(ValueError, match="requires out a contiguous"):
         cublaslt.scaled_mm_lt(a, b, one, one, None, torch.empty(8, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="requires c apart from out"):
+        cublaslt.scaled_mm_lt(a, b, one, one, out, out)
     with pytest.raises(ValueError, match="requires rowwise scales of 8 and 4 contiguous elements, got 3 and 4"):
         cublaslt.scaled_mm_lt(a, b, torch.ones(3, 1), torch.ones(1, 4), None, out)
 
