@@ -125,7 +125,7 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
 
-    epilogue = _epilogue_kernel(world, reduce_op, a.device, rowwise)
+    epilogue = _epilogue_kernel(world, reduce_op, a.device, a_scale.numel() != 1 or b_scale.numel() != 1)
 
     def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
         # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself,
@@ -222,13 +222,13 @@ def _pipelined(
     return lay.restore(out)
 
 
-def _epilogue_kernel(world: int, reduce_op: str, device: torch.device, rowwise: bool = False) -> str | None:
+def _epilogue_kernel(world: int, reduce_op: str, device: torch.device, vector_scales: bool = False) -> str | None:
     """Which GEMM adds the received partial in its epilogue on 2 ranks' own blocks: None (the
     default: _scaled_mm, then a separate addition), "triton" (ASYNCTP_FP8_EPILOGUE=1 or triton:
     benchmarks/probe_fp8_epilogue.py measured the kernel slower than the default on 2xH200,
     triton_scaled_mm's docstring; the GPU fp8 reduce-scatter tests pass with it) or "cublaslt"
     (ASYNCTP_FP8_EPILOGUE=cublaslt: cuBLASLt with beta = 1, asynctp/ops/cublaslt.py; tensorwise
-    only on sm_90, whose cuBLASLt refuses rowwise scales). Where one is asked for and cannot be
+    only on sm_90, whose cuBLASLt refuses rowwise scales: vector_scales, either scale a vector). Where one is asked for and cannot be
     used, a warning says why, once, and the default runs. The Triton kernel is compiled and
     loaded at its first launch, which comes after the wait for the peer's partial (a peer stuck
     at that very call blocks the host there, as the reduction's kernels did before
@@ -248,9 +248,9 @@ def _epilogue_kernel(world: int, reduce_op: str, device: torch.device, rowwise: 
         else:
             from asynctp.ops.cublaslt import supports
 
-            why = supports(rowwise, device.index if device.index is not None else torch.cuda.current_device())
-            if why is not None and rowwise:
-                why = f"rowwise scales: {why}"
+            why = supports(vector_scales, device.index if device.index is not None else torch.cuda.current_device())
+            if why is not None and vector_scales:
+                why = f"rowwise or per-column scales: {why}"
     elif device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         why = f"it needs a CUDA device (or TRITON_INTERPRET=1), got {device.type}"
     else:
