@@ -3,7 +3,9 @@ side on one machine, bf16 and fp8 (rowwise, tensorwise), seed shapes (N 3584, K 
 GPUs: gather mode (push / pull), row blocks, lockstep, the gathered output kept or not, the
 reduce-scatter's side-stream reduction on/off, and its GEMMs storing remote partials straight into
 the owners' slots (ASYNCTP_RS_DIRECT; PROBE_DIRECT=0 skips them), and, bf16 on 2 ranks, its
-reduction without the GEMM epilogue (ASYNCTP_RS_EPILOGUE=0). Every variant is checked against serial (exact)
+reduction without the GEMM epilogue (ASYNCTP_RS_EPILOGUE=0), and with PROBE_LT=1, fp8 on 2 ranks,
+the own blocks' addition in cuBLASLt's epilogue (ASYNCTP_FP8_EPILOGUE=cublaslt, 1-4 blocks; its
+largest difference from serial is recorded, not asserted: one rounding instead of two). Every variant is checked against serial (exact)
 before it is timed. Times: median us over 30 eager calls, slowest rank (eager calls replay from
 asynctp's CUDA graphs after their second sighting, as in training).
 
@@ -162,6 +164,12 @@ def probe_rs(kind, M, g, ws, rank) -> dict:
         fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_EPILOGUE=0, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
         r[f"s{sp}_no_epilogue_exact"] = bool(torch.equal(fn(), ref))  # one rounding fewer than the epilogue? recorded
         r[f"s{sp}_no_epilogue"] = timeit(fn)
+    for sp in (1, 2, 3, 4) if kind != "bf16" and ws == 2 and os.environ.get("PROBE_LT") == "1" else ():
+        # fp8 on 2 ranks: the own blocks add the received partial in cuBLASLt's epilogue (one rounding)
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_FP8_EPILOGUE="cublaslt", ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
+        got = fn()
+        r[f"s{sp}_cublaslt_max_diff"] = float((got.float() - ref.float()).abs().max())  # vs two roundings
+        r[f"s{sp}_cublaslt"] = timeit(fn)
     for sp in (1, 2, 4) if FULL and os.environ.get("PROBE_DIRECT", "1") == "1" else ():  # remote partials stored by their GEMMs into the owners' slots
         fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
         got = fn()
