@@ -170,6 +170,17 @@ def probe_rs(kind, M, g, ws, rank) -> dict:
         got = fn()
         r[f"s{sp}_cublaslt_max_diff"] = float((got.float() - ref.float()).abs().max())  # vs two roundings
         r[f"s{sp}_cublaslt"] = timeit(fn)
+        if sp > 1:  # only the last own block in the epilogue: the exposed tail addition gone
+            fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_FP8_EPILOGUE="cublaslt", ASYNCTP_RS_EPILOGUE="last",
+                      ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
+            got = fn()
+            r[f"s{sp}_cublaslt_last_max_diff"] = float((got.float() - ref.float()).abs().max())
+            r[f"s{sp}_cublaslt_last"] = timeit(fn)
+    for sp in (2, 3, 4) if kind == "bf16" and ws == 2 and os.environ.get("PROBE_LT") == "1" else ():
+        # bf16: only the last own block in addmm's epilogue, the others by additions (exactness recorded)
+        fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_EPILOGUE="last", ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
+        r[f"s{sp}_epilogue_last_exact"] = bool(torch.equal(fn(), ref))
+        r[f"s{sp}_epilogue_last"] = timeit(fn)
     for sp in (1, 2, 4) if FULL and os.environ.get("PROBE_DIRECT", "1") == "1" else ():  # remote partials stored by their GEMMs into the owners' slots
         fn = envs(ASYNCTP_SPLITS=sp, ASYNCTP_RS_DIRECT=1, ASYNCTP_BATCH_MAJOR=0)(lambda: call("pipeline"))
         got = fn()

@@ -60,7 +60,8 @@ _SIGNAL_BASE = 2  # signal channels start after the two barrier channels
 _GATHER_ENV = "ASYNCTP_GATHER"  # "pull" or "push" (the default): how gather_and_consume moves blocks
 _SIDE_REDUCE_ENV = "ASYNCTP_SIDE_REDUCE"  # "0": a reduction without GEMM epilogue stays inline (experiments)
 _RS_DIRECT_ENV = "ASYNCTP_RS_DIRECT"  # "1": remote partials stored by their GEMMs into the owners' slots (experiment)
-_RS_EPILOGUE_ENV = "ASYNCTP_RS_EPILOGUE"  # "0": 2 ranks reduce with an addition, not the GEMM epilogue (experiment)
+_RS_EPILOGUE_ENV = "ASYNCTP_RS_EPILOGUE"  # "0": 2 ranks reduce with an addition, not the GEMM epilogue; "last":
+# only the last own block in the epilogue, the others by additions beside the next GEMM (experiments)
 
 
 def gather_mode() -> str:
@@ -261,7 +262,11 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     one_add = world == 2 and reduce_op == "sum"  # the reduction is one addition of two parts
     no_epilogue = os.environ.get(_RS_EPILOGUE_ENV) == "0"
     epilogue = fused_acc and one_add and not no_epilogue  # ... done by the GEMM onto the received partial
-    own_partial = torch.empty(chunk_shape, dtype=dtype, device=ws.device) if (world == 2 and not epilogue) else None
+    # the blocks from this one on reduce in the epilogue ("last": the exposed tail only; the
+    # others' additions go under the next GEMM and the own GEMMs do not wait for the peer)
+    first_fused = (len(blocks) - 1 if os.environ.get(_RS_EPILOGUE_ENV) == "last" else 0) if epilogue else len(blocks)
+    own_partial = (torch.empty(chunk_shape, dtype=dtype, device=ws.device)
+                   if (world == 2 and first_fused > 0) else None)
     # the fp32 (fp64) accumulator of any other reduction, allocated before any wait (as is
     # everything else here; the seventh session took a 4xH200 hang in a stuck wait for an
     # allocation's, the eleventh found a kernel's first launch: _load_reduce_kernels)
@@ -275,8 +280,8 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             return own_partial[lo:hi], [slot(rank, 1 - rank)[lo:hi], own_partial[lo:hi]]
         return own[lo:hi], [slot(rank, src)[lo:hi] for src in range(world)]
 
-    own_blocks = None if epilogue else [own_block(lo, hi) for lo, hi in blocks]
-    if own_blocks is not None and ws.device.type == "cuda":
+    own_blocks = [own_block(lo, hi) for lo, hi in blocks[:first_fused]]
+    if ws.device.type == "cuda":
         for (lo, hi), (_, parts) in zip(blocks, own_blocks):
             _load_reduce_kernels(out[lo:hi], parts, reduce_op, None if acc is None else acc[lo:hi])
     lanes.fork()
@@ -307,9 +312,10 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     # without a GEMM epilogue, each own block's reduction goes under the next block's GEMM, and
     # only the reduction waits for the peers: the own GEMM runs while their pushes are in flight
     # (and absorbs the ranks' skew) instead of after them
-    side_reduce = (not fused_acc or (one_add and no_epilogue)) and os.environ.get(_SIDE_REDUCE_ENV) != "0"
+    side_reduce = ((not fused_acc or (one_add and no_epilogue) or (epilogue and first_fused > 0))
+                   and os.environ.get(_SIDE_REDUCE_ENV) != "0")
     for b, (lo, hi) in enumerate(blocks):
-        if epilogue:
+        if b >= first_fused:
             peers_landed(b)
             produce(rank, lo, hi, out[lo:hi], slot(rank, 1 - rank)[lo:hi])
             continue

@@ -38,11 +38,12 @@ def test_matmul_sum_reduce_scatter_plans(pool):
 # the default plan is push, one row block (shapes this small): the other gather mode and
 # several row blocks per chunk must give the same exact results
 PLANS = [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3"}, {"ASYNCTP_GATHER": "pull", "ASYNCTP_SPLITS": "3"},
-         {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_EPILOGUE": "0"}]
+         {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_EPILOGUE": "0"},
+         {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_EPILOGUE": "last"}]
 
 
 @pytest.mark.parametrize("env", PLANS, ids=["pull", "push-3-blocks", "pull-3-blocks", "3-blocks-rs-direct",
-                                            "3-blocks-no-epilogue"])
+                                            "3-blocks-no-epilogue", "3-blocks-epilogue-last"])
 def test_pipeline_plans_match_reference(pool, env):
     assert pool.run(cases.under_env, env, cases.all_gather_matmul_grid, DEVICE, "float32", "pipeline")[0] == 28
     if "ASYNCTP_SPLITS" in env:
