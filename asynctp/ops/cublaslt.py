@@ -7,9 +7,15 @@ the accumulate epilogue that the fp8 reduce-scatter's own blocks lack: with _sca
 the received partial in a separate kernel, which cost 1.2-1.3x the GEMM alone (NOTES, twelfth
 session), and a Triton GEMM with the addition fused was slower than both. Used by
 scaled_matmul_reduce_scatter with ASYNCTP_FP8_EPILOGUE=cublaslt (an experiment, off by default)
-and by benchmarks/probe_fp8_epilogue.py. Written in the sixteenth session without device time:
-its descriptors were checked against libcublasLt 13.1 on a CPU machine (no GEMM ran); not yet run
-on a GPU.
+and by benchmarks/probe_cublaslt_algos.py / probe_fp8_epilogue.py.
+
+Measured on 2xH200 (seventeenth session, NOTES): alone, the tensorwise GEMM with the addition is
+faster than _scaled_mm + add (1024 / 2048 / 4096 rows of the seed shape: 53 / 106 / 209-224 us
+against 64 / 116 / 227), and matches fp32 math within the tests' bounds. In the reduce-scatter
+it is not: the own block's GEMM must wait for the peer's partial, which the default's separate
+addition waits for instead, under the next GEMM, so the op was slower at every row-block count
+(M 4096: 238-303 us against 226-232) and with the epilogue on the last own block only
+(ASYNCTP_RS_EPILOGUE=last) it tied the default (224 / 418 against 226 / 419). Hence off.
 
 Layout: a [M, K] row-major and b [K, N] column-major, as _scaled_mm takes them; c and out [M, N]
 row-major, bfloat16 or float32. In cuBLAS's column-major terms out^T [N, M] = b^T [N, K] @ a^T
@@ -23,9 +29,10 @@ parameter", seventeenth session), so rowwise scales raise Unsupported there; sup
 cuBLASLt once per GPU and mode. The workspace is allocated per call from torch's caching
 allocator on the current stream (stream-ordered, and inside a CUDA graph capture from its pool).
 
-Algorithm choice: cuBLASLt's heuristic returns up to 8 candidates; its first one, fine for beta
-= 0, was 1.35x slower than the GEMM alone with beta = 1 at 4096 rows (seventeenth session). So
-the first call of a problem outside a CUDA graph capture times each candidate on scratch
+Algorithm choice: the candidates are the heuristic's answer when asked for one (what
+_scaled_mm runs) and its list when asked for 8 (which need not contain that one: at 1024 rows
+none of the 8 was within 1.4x of it). With beta = 1 the first was up to 1.35x the GEMM alone at
+4096 rows, another candidate 1.1-1.2x (seventeenth session). So the first call of a problem outside a CUDA graph capture times each candidate on scratch
 operands of the same shape on a side stream (it waits for nothing queued on the caller's
 streams, so ranks in the middle of a pipeline cannot wait on each other through it) and keeps
 the fastest; a first call inside a capture takes the heuristic's first, without remembering it.
