@@ -32,11 +32,12 @@ allocator on the current stream (stream-ordered, and inside a CUDA graph capture
 Algorithm choice: the candidates are the heuristic's answer when asked for one (what
 _scaled_mm runs) and its list when asked for 8 (which need not contain that one: at 1024 rows
 none of the 8 was within 1.4x of it). With beta = 1 the first was up to 1.35x the GEMM alone at
-4096 rows, another candidate 1.1-1.2x (seventeenth session). So the first call of a problem outside a CUDA graph capture times each candidate on scratch
-operands of the same shape on a side stream (it waits for nothing queued on the caller's
-streams, so ranks in the middle of a pipeline cannot wait on each other through it) and keeps
-the fastest; a first call inside a capture takes the heuristic's first, without remembering it.
-ASYNCTP_CUBLASLT_TUNE=0 always takes the heuristic's first. tuning() reports what was chosen.
+4096 rows, another candidate 1.1-1.2x (seventeenth session). So the first call of a problem
+outside a CUDA graph capture times each candidate on random scratch operands of the same shape
+on a side stream (it waits for nothing queued on the caller's streams, so ranks in the middle
+of a pipeline cannot wait on each other through it) and keeps the fastest; a first call inside
+a capture takes the heuristic's first, without remembering it. ASYNCTP_CUBLASLT_TUNE=0 always
+takes the heuristic's first. tuning() reports what was chosen.
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
 @functools.cache
 def _plan(m: int, n: int, k: int, fp8_a: int, fp8_b: int, out_type: int, rowwise: bool, fast: bool,
           align: tuple[int, int, int, int]) -> tuple:
-    """(matmul descriptor, layouts A, B, C/D, candidate algorithms) for one problem, cached: descriptors hold
-    no pointers but the scales', which each call sets. align: the byte alignment of cuBLAS's A, B,
-    C and D pointers (the algorithm must work with them: the pipeline's blocks start mid-buffer)."""
+    """(matmul descriptor, layouts A, B, C/D, candidate algorithms) for one problem, cached:
+    descriptors hold no pointers but the scales', which each call sets. align: the byte alignment
+    of cuBLAS's A, B, C and D pointers (every candidate must work with them: the pipeline's blocks
+    start mid-buffer). Raises Unsupported where cuBLASLt has no algorithm."""
     lib = _lib()
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F)),
@@ -226,8 +228,9 @@ def tuning() -> list[dict]:
     return list(_tunings.values())
 
 
-def algo_config(heuristic: _Heuristic) -> dict[str, int]:
-    """A candidate's configuration (cuBLASLt's ALGO_CONFIG attributes: tile, split-K, stages...)."""
+def _describe(heuristic: _Heuristic) -> dict[str, int | float]:
+    """A candidate's configuration (cuBLASLt's ALGO_CONFIG attributes: tile, split-K, stages...),
+    its workspace bytes and the heuristic's wave count."""
     lib, got = _lib(), {}
     for name, attr in _ALGO_CONFIG.items():
         size = ctypes.c_size_t(0)  # asked with no buffer, it says the attribute's size (must match)
@@ -236,7 +239,7 @@ def algo_config(heuristic: _Heuristic) -> dict[str, int]:
         if 0 < size.value <= 8 and lib.cublasLtMatmulAlgoConfigGetAttribute(
                 ctypes.byref(heuristic.algo), attr, ctypes.byref(value), size.value, ctypes.byref(size)) == 0:
             got[name] = int(value.value)  # little-endian: the low bytes hold the value
-    return got
+    return {**got, "workspace": int(heuristic.workspaceSize), "waves": round(heuristic.wavesCount, 3)}
 
 
 def _launch(plan: tuple, algo: int, a_ptr: int, b_ptr: int, sa_ptr: int, sb_ptr: int, c_ptr: int | None, out_ptr: int,
@@ -257,7 +260,7 @@ def _launch(plan: tuple, algo: int, a_ptr: int, b_ptr: int, sa_ptr: int, sb_ptr:
 
 
 def _tune(plan: tuple, key: tuple, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-          with_c: bool, out: torch.Tensor) -> int:
+          with_c: bool, out: torch.Tensor, rowwise: bool, fast_accum: bool) -> int:
     """Times each candidate on random scratch operands shaped like the call's on a side stream,
     round-robin over 3 rounds of 5 launches, the median round kept; returns the fastest one's
     index."""
@@ -289,10 +292,9 @@ def _tune(plan: tuple, key: tuple, a: torch.Tensor, b: torch.Tensor, scale_a: to
     side.synchronize()
     medians = [sorted(t)[1] for t in times]
     best = min(range(len(candidates)), key=medians.__getitem__)
-    _tunings[key] = {"m": m, "n": n, "k": k, "out": str(out.dtype), "fast_accum": key[-3], "rowwise": key[-4],
+    _tunings[key] = {"m": m, "n": n, "k": k, "out": str(out.dtype), "fast_accum": fast_accum, "rowwise": rowwise,
                      "beta": 1 if with_c else 0, "chosen": best,
-                     "candidates": [{**algo_config(h), "workspace": int(h.workspaceSize), "waves": round(h.wavesCount, 3),
-                                     "us": round(t, 1)} for h, t in zip(candidates, medians)]}
+                     "candidates": [{**_describe(h), "us": round(t, 1)} for h, t in zip(candidates, medians)]}
     return best
 
 
@@ -337,7 +339,7 @@ def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
             elif torch.cuda.is_current_stream_capturing():
                 algo = 0  # no timing inside a capture; a later eager call tunes
             else:
-                algo = _chosen[key] = _tune(plan, key, a, b, scale_a, scale_b, c is not None, out)
+                algo = _chosen[key] = _tune(plan, key, a, b, scale_a, scale_b, c is not None, out, rowwise, fast_accum)
     elif not 0 <= algo < len(plan[4]):
         raise ValueError(f"scaled_mm_lt requires algo in [0, {len(plan[4])}) (cuBLASLt's candidates), got {algo}")
     _launch(plan, algo, a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
@@ -347,9 +349,10 @@ def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 def candidate_configs(a: torch.Tensor, b: torch.Tensor, rowwise: bool, out: torch.Tensor,
                       fast_accum: bool = False) -> list[dict]:
-    """cuBLASLt's candidates for a problem (for probes): each one's config."""
+    """cuBLASLt's candidates for a problem whose C (if any) is aligned as out (for probes and
+    tests: scaled_mm_lt's algo indexes this list), each one's configuration."""
     m, k = a.shape
     n = b.shape[1]
     align = (_alignment(b), _alignment(a), _alignment(out), _alignment(out))
     plan = _plan(m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise, fast_accum, align)
-    return [{**algo_config(h), "workspace": int(h.workspaceSize), "waves": round(h.wavesCount, 3)} for h in plan[4]]
+    return [_describe(h) for h in plan[4]]
