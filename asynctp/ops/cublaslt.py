@@ -190,6 +190,14 @@ def _alignment(t: torch.Tensor) -> int:
     return 256 if ptr % 256 == 0 else ptr & -ptr
 
 
+def _problem(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, out: torch.Tensor, rowwise: bool,
+             fast_accum: bool) -> tuple:
+    """_plan's arguments for a call: shape, dtypes, flags and the pointers' alignments."""
+    align = (_alignment(b), _alignment(a), _alignment(out if c is None else c), _alignment(out))
+    return (a.shape[0], b.shape[1], a.shape[1], _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise, fast_accum,
+            align)
+
+
 def available() -> str | None:
     """None where scaled_mm_lt can run here, else why not (a line)."""
     if not torch.cuda.is_available():
@@ -327,8 +335,7 @@ def scaled_mm_lt(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
         if scale_a.numel() != m or scale_b.numel() != n or not (scale_a.is_contiguous() and scale_b.is_contiguous()):
             raise ValueError(f"scaled_mm_lt requires rowwise scales of {m} and {n} contiguous elements, got "
                              f"{scale_a.numel()} and {scale_b.numel()}")
-    align = (_alignment(b), _alignment(a), _alignment(out if c is None else c), _alignment(out))
-    args = (m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise, fast_accum, align)
+    args = _problem(a, b, c, out, rowwise, fast_accum)
     plan = _plan(*args)
     if algo is None:
         key = (*args, c is not None)
@@ -351,8 +358,4 @@ def candidate_configs(a: torch.Tensor, b: torch.Tensor, rowwise: bool, out: torc
                       fast_accum: bool = False) -> list[dict]:
     """cuBLASLt's candidates for a problem whose C (if any) is aligned as out (for probes and
     tests: scaled_mm_lt's algo indexes this list), each one's configuration."""
-    m, k = a.shape
-    n = b.shape[1]
-    align = (_alignment(b), _alignment(a), _alignment(out), _alignment(out))
-    plan = _plan(m, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out.dtype], rowwise, fast_accum, align)
-    return [_describe(h) for h in plan[4]]
+    return [_describe(h) for h in _plan(*_problem(a, b, None, out, rowwise, fast_accum))[4]]

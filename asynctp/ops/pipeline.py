@@ -260,11 +260,11 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
     partials = None if direct else torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
     one_add = world == 2 and reduce_op == "sum"  # the reduction is one addition of two parts
-    no_epilogue = os.environ.get(_RS_EPILOGUE_ENV) == "0"
-    epilogue = fused_acc and one_add and not no_epilogue  # ... done by the GEMM onto the received partial
+    epilogue_mode = os.environ.get(_RS_EPILOGUE_ENV)
+    epilogue = fused_acc and one_add and epilogue_mode != "0"  # ... done by the GEMM onto the received partial
     # the blocks from this one on reduce in the epilogue ("last": the exposed tail only; the
     # others' additions go under the next GEMM and the own GEMMs do not wait for the peer)
-    first_fused = (len(blocks) - 1 if os.environ.get(_RS_EPILOGUE_ENV) == "last" else 0) if epilogue else len(blocks)
+    first_fused = (len(blocks) - 1 if epilogue_mode == "last" else 0) if epilogue else len(blocks)
     own_partial = (torch.empty(chunk_shape, dtype=dtype, device=ws.device)
                    if (world == 2 and first_fused > 0) else None)
     # the fp32 (fp64) accumulator of any other reduction, allocated before any wait (as is
@@ -312,8 +312,8 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     # without a GEMM epilogue, each own block's reduction goes under the next block's GEMM, and
     # only the reduction waits for the peers: the own GEMM runs while their pushes are in flight
     # (and absorbs the ranks' skew) instead of after them
-    side_reduce = ((not fused_acc or (one_add and no_epilogue) or (epilogue and first_fused > 0))
-                   and os.environ.get(_SIDE_REDUCE_ENV) != "0")
+    # (a GEMM that could accumulate, on more than 2 ranks or reducing otherwise, reduces inline)
+    side_reduce = first_fused > 0 and (one_add or not fused_acc) and os.environ.get(_SIDE_REDUCE_ENV) != "0"
     for b, (lo, hi) in enumerate(blocks):
         if b >= first_fused:
             peers_landed(b)

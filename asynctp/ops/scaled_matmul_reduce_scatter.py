@@ -228,9 +228,9 @@ def _epilogue_kernel(world: int, reduce_op: str, device: torch.device, vector_sc
     benchmarks/probe_fp8_epilogue.py measured the kernel slower than the default on 2xH200,
     triton_scaled_mm's docstring; the GPU fp8 reduce-scatter tests pass with it) or "cublaslt"
     (ASYNCTP_FP8_EPILOGUE=cublaslt: cuBLASLt with beta = 1, asynctp/ops/cublaslt.py; tensorwise
-    only on sm_90, whose cuBLASLt refuses rowwise scales: vector_scales, either scale a vector). Where one is asked for and cannot be
-    used, a warning says why, once, and the default runs. The Triton kernel is compiled and
-    loaded at its first launch, which comes after the wait for the peer's partial (a peer stuck
+    only on sm_90, whose cuBLASLt refuses rowwise scales; vector_scales: either scale is a
+    vector). Where one is asked for and cannot be used, a warning says why, once, and the
+    default runs. The Triton kernel is compiled and loaded at its first launch, which comes after the wait for the peer's partial (a peer stuck
     at that very call blocks the host there, as the reduction's kernels did before
     pipeline._load_reduce_kernels)."""
     raw = os.environ.get(_EPILOGUE_ENV, "")
