@@ -34,7 +34,10 @@ NUM_CHANNELS = 64  # 2 barrier channels + one signal channel per row block
 
 
 def resolve_group(group: Any) -> dist.ProcessGroup:
-    """A ProcessGroup from a ProcessGroup or its name; TypeError for anything else."""
+    """A ProcessGroup from a ProcessGroup, its name, a 1-D DeviceMesh, a (DeviceMesh, dim name)
+    pair, or None (the default group, as torch.distributed's group=None); TypeError otherwise."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     if isinstance(group, dist.ProcessGroup):
         return group
     if isinstance(group, str):
@@ -42,8 +45,23 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
             return c10d._resolve_process_group(group)
         except Exception as exc:  # torch raises several types for unknown names
             raise ValueError(f"group requires a known process group name, got {group!r}") from exc
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError("group=None requires an initialized default process group, got none")
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group requires a 1-D DeviceMesh (or (mesh, dim name)), got a {group.ndim}-D mesh")
+        return group.get_group()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, axis = group
+        names = mesh.mesh_dim_names or ()
+        if axis not in names:
+            raise ValueError(f"group requires a dim name of the mesh {names}, got {axis!r}")
+        return mesh.get_group(axis)
     raise TypeError(
-        f"group requires a torch.distributed.ProcessGroup or its name (str), got {type(group).__name__}"
+        "group requires a torch.distributed.ProcessGroup or its name (str), a 1-D DeviceMesh, "
+        f"a (DeviceMesh, dim name) pair or None, got {type(group).__name__}"
     )
 
 
