@@ -12,7 +12,7 @@ from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
 from asynctp.ops.pipeline import gather_and_consume
 from asynctp.ops.ring import ring_gather_and_consume
-from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
+from asynctp.ops.reference import all_gather_matmul_serial, all_gather_rows, matmul_bias
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_all_gather_matmul
@@ -197,7 +197,7 @@ def all_gather_contract(
     if chosen == "serial":
         lay = gather_layout(x_shard, dim, world)
         rows = lay.new_rows(k)
-        torch.distributed.all_gather_into_tensor(rows, lay.shard_2d, group=pg)
+        all_gather_rows(rows, lay.shard_2d, pg)
         return [torch.mm(_rows_like(g, lay).t(), rows) for g in gs]
     if chosen == "ring":
         return _contract(pg, gather_layout(x_shard, dim, world, batch_major=True), gs, 1, ring=True)

@@ -13,6 +13,7 @@ from asynctp.ops import graphs, guard
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
 from asynctp.ops.pipeline import gather_and_consume
+from asynctp.ops.reference import all_gather_rows
 from asynctp.ops.ring import ring_gather_and_consume
 from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm
 from asynctp.ops.scales import aligned, check_all_gather_scaled_matmul, column_major, expand_cols, expand_rows
@@ -176,7 +177,7 @@ def _ring_gather(group: dist.ProcessGroup, lay: GatherLayout, scale_2d: torch.Te
     scale_rows = None
     if scale_2d is not None:
         scale_rows = scale_2d.new_empty((world * m, 1))
-        dist.all_gather_into_tensor(scale_rows, scale_2d, group=group)
+        all_gather_rows(scale_rows, scale_2d, group)
 
     def gather(shards, gathered, consume, alternate: bool) -> None:
         def with_scale(src: int, lo: int, blocks: list[torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from asynctp.ops.layout import moved_back
 from asynctp.ops.pipeline import gather_and_consume, produce_and_reduce_scatter
-from asynctp.ops.reference import divide_for_avg
+from asynctp.ops.reference import all_gather_rows, divide_for_avg, reduce_scatter_rows
 from asynctp.ops.validate import REDUCE_OPS, check_dim, check_tensor
 from asynctp.symm import get_workspace, resolve_group
 
@@ -51,7 +51,7 @@ def _all_gather_op(x, gather_dim, group_name):
     gathered = front.new_empty((world * front.shape[0], *front.shape[1:]))
     ws = get_workspace(pg, x.device)
     if ws is None:
-        dist.all_gather_into_tensor(gathered, front, group=pg)
+        all_gather_rows(gathered, front, pg)
     else:
         ws.op = "all_gather"
         gather_and_consume(ws, [_rows(front)], [_rows(gathered)], lambda *_: None)
@@ -101,7 +101,7 @@ def _reduce_scatter_op(x, scatter_dim, group_name, reduce_op):
     ws = get_workspace(pg, x.device)
     if ws is None:
         out = rows.new_empty((m, rows.shape[1]))
-        dist.reduce_scatter_tensor(out, rows, op=dist.ReduceOp.SUM, group=pg)
+        reduce_scatter_rows(out, rows, pg)
         divide_for_avg(out, reduce_op, world)
     else:
         ws.op = "reduce_scatter"

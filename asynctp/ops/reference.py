@@ -15,7 +15,24 @@ __all__ = [
     "reduce_scatter_product",
     "divide_for_avg",
     "bias_chunk",
+    "all_gather_rows",
+    "reduce_scatter_rows",
 ]
+
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning per call)
+# for the *_single names, which older torch lacks: take whichever this torch has, without warning
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_rows(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """dist.all_gather_into_tensor(out, shard, group=group), under this torch's current name."""
+    _ALL_GATHER(out, shard, group=group)
+
+
+def reduce_scatter_rows(out: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """dist.reduce_scatter_tensor(out, rows, op=SUM, group=group), under this torch's current name."""
+    _REDUCE_SCATTER(out, rows, op=dist.ReduceOp.SUM, group=group)
 
 
 def matmul_bias(a_2d: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None):
@@ -33,7 +50,7 @@ def all_gather_matmul_serial(
     return_a: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     rows = lay.new_rows(lay.shard_2d.shape[1])
-    dist.all_gather_into_tensor(rows, lay.shard_2d, group=group)
+    all_gather_rows(rows, lay.shard_2d, group)
     a_gathered = lay.a_gathered(rows)
     if lay.k_mode:
         a_2d = a_gathered.view(lay.m, -1)
@@ -73,7 +90,7 @@ def reduce_scatter_product(
         m, n = full.shape[0], full.shape[1] // world
         full = full.view(m, world, n).transpose(0, 1).reshape(world * m, n)
     # gloo has no AVG: sum, then divide (NCCL's AVG rounds the same way for R = 2)
-    dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_rows(out, full, group)
     divide_for_avg(out, reduce_op, world)
     if bias is not None:
         out.add_(bias_chunk(lay, bias, rank))

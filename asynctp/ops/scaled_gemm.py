@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from asynctp.config import warn_once
 from asynctp.ops.layout import GatherLayout, ScatterLayout
-from asynctp.ops.reference import reduce_scatter_product
+from asynctp.ops.reference import all_gather_rows, reduce_scatter_product
 from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, expand_cols, expand_rows
 
 __all__ = [
@@ -172,11 +172,11 @@ def all_gather_scaled_matmul_serial(
     world = lay.world_size
     rows = lay.new_rows(lay.shard_2d.shape[1])
     # byte copies: not every backend's all-gather knows float8
-    dist.all_gather_into_tensor(rows.view(torch.uint8), lay.shard_2d.view(torch.uint8), group=group)
+    all_gather_rows(rows.view(torch.uint8), lay.shard_2d.view(torch.uint8), group)
     scale_rows = None
     if scale_2d is not None:
         scale_rows = scale_2d.new_empty((world * scale_2d.shape[0], 1))
-        dist.all_gather_into_tensor(scale_rows, scale_2d, group=group)
+        all_gather_rows(scale_rows, scale_2d, group)
     a_gathered = lay.a_gathered(rows) if (return_a or lay.k_mode) else None
     if lay.k_mode and scale_rows is not None:
         acc = KBlockAccumulator(lay.m, world, bs, b_scales, use_fast_accum)
