@@ -9,12 +9,17 @@ A plan written for vanilla sequence-parallel TP becomes async by swapping the st
 Sibling linears fed the same input (wq / wk / wv, w1 / w3) can share one gather: give their
 styles one SharedGather (an optimization beyond the swap; without it each linear gathers).
 Embeddings keep torch's RowwiseParallel / ColwiseParallel: a lookup has no matmul to overlap.
+
+make_async(plan, model) does the swap for a whole plan: the classic shape (PrepareModuleInput
+gathering on the parent, plain ColwiseParallel children), per-linear plans, torchao's float8
+styles, and Hugging Face tp_plan string dicts.
 """
 
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from asynctp.parallel.colwise import AsyncColwiseParallel
 from asynctp.parallel.rowwise import AsyncRowwiseParallel
+from asynctp.parallel.make_async import make_async
 from asynctp.parallel.shared_gather import SharedGather
 
-__all__ = ["AsyncColwiseParallel", "AsyncRowwiseParallel", "SharedGather", "SequenceParallel"]
+__all__ = ["AsyncColwiseParallel", "AsyncRowwiseParallel", "SharedGather", "SequenceParallel", "make_async"]

@@ -4,12 +4,13 @@ all_gather_linear (the gather overlapped with the matmul, forward and backward).
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from asynctp.nn.column_parallel import run_all_gather_linear
@@ -83,6 +84,18 @@ def _make_forward(style: AsyncColwiseParallel, mesh: DeviceMesh):
     use_local_output = style.use_local_output
     options = dict(float8=resolve_float8(style.float8, keep_buffers=True), save_gathered_input=style.save_gathered_input, strategy=style.strategy)
     shared = style.shared_gather
+    warned = [False]
+
+    def warn_if_gathered(module: nn.Linear, x: Any) -> None:
+        # a PrepareModuleInput(... Replicate()) above gathered already: correct, one gather too many
+        if not warned[0] and isinstance(x, DTensor) and isinstance(x.placements[0], Replicate):
+            warned[0] = True
+            warnings.warn(
+                f"AsyncColwiseParallel on {type(module).__name__}({module.in_features}, ...) requires its input "
+                f"sharded as input_layouts={placement}, got a Replicate DTensor: a PrepareModuleInput above gathers "
+                "it already and this style gathers again (use asynctp.parallel.make_async on the plan)",
+                UserWarning, stacklevel=3,
+            )
 
     def linears(modules: list[nn.Module], x: Any) -> list[torch.Tensor]:
         x_shard = to_local_input(x, mesh, placement)
@@ -92,6 +105,7 @@ def _make_forward(style: AsyncColwiseParallel, mesh: DeviceMesh):
         return run_all_gather_linear(group_name, world_size, x_shard, weights, biases, gather_dim=dim, **options)
 
     def forward(module: nn.Linear, x: Any) -> Any:
+        warn_if_gathered(module, x)
         if shared is None:
             out = linears([module], x)[0]
         else:

@@ -40,3 +40,26 @@ def test_compiled_styles_share_gathers(pool):
 
 def test_shared_gather_misuse(pool):
     pool.run(cases_nn.shared_gather_misuse, DEVICE)
+
+
+def test_make_async_classic_plan(pool):
+    from tests import cases_plans
+
+    out = pool.run(cases_plans.classic_plan_made_async, DEVICE)[0]
+    # per block: one gather for wq/wk/wv and one for w1/w3 forward; the head's; no DTensor gathers left
+    assert out["fused_calls"] == 2 * 2 + 1, out
+    assert out["gathers_vanilla"] > 0 and out["gathers_async"] == 0, out
+    assert out["warnings"] == [], out
+
+
+def test_make_async_names_unconvertible_entries_in_one_warning(pool):
+    from tests import cases_plans
+
+    messages = pool.run(cases_plans.unconvertible_entries_warn_once, DEVICE)[0]
+    assert len(messages) == 1 and all(f"  {k}:" in messages[0] for k in "abc"), messages
+
+
+def test_async_colwise_warns_on_replicated_input(pool):
+    from tests import cases_plans
+
+    assert len(pool.run(cases_plans.replicated_input_warns, DEVICE)[0]) == 1
