@@ -1,0 +1,185 @@
+"""The Triton kernel behind async_input_mm (imported on CUDA only: it needs Triton)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from asynctp.kernels.configs import Config
+
+_TMA_STRIDE_LIMIT = 1 << 40  # bytes: the largest stride a TMA descriptor takes
+
+
+@triton.jit
+def _spin(flag_ptr):
+    """Wait until the flag is non-zero (acquire, system scope: a peer's stream write sets it)."""
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    while v == 0:
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M: tl.constexpr):
+    """(group, m-tile within the group, n-tile) of logical tile t: grouped order within a group."""
+    g = t // tiles_per_group
+    u = t - g * tiles_per_group
+    in_group = GROUP_M * num_pid_n
+    first_m = (u // in_group) * GROUP_M
+    gsize = tl.minimum(tm - first_m, GROUP_M)
+    pm = first_m + (u % in_group) % gsize
+    pn = (u % in_group) // gsize
+    return g, pm, pn
+
+
+@triton.jit
+def _ag_mm_kernel(
+    a_desc, b_desc, c_desc, g_desc,
+    sig_ptr, cnt_ptr, a_scale_ptr, a_scale_local_ptr, b_scale_ptr, bias_ptr,
+    M, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, ws_index,
+    sig_src, sig_blk, out_src, out_blk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    ALIGNED: tl.constexpr, WAIT: tl.constexpr, RESET: tl.constexpr, LOCAL: tl.constexpr,
+    STORE_A: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    if ALIGNED:
+        tm = chunk_rows // BM
+        groups = num_chunks
+    else:
+        tm = tl.cdiv(M, BM)
+        groups = 1
+    tiles_per_group = tm * num_pid_n
+    num_tiles = groups * tiles_per_group
+    waited = -1
+    for t in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+        g, pm, pn = _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M)
+        c = 0
+        src = 0
+        blk = 0
+        if ALIGNED:
+            c = (pivot + g) % num_chunks
+            src = c // blocks
+            blk = c - src * blocks
+            row_a = src * rows_per_src + blk * chunk_rows + pm * BM
+            row_out = src * out_src + blk * out_blk + pm * BM
+            if WAIT:
+                if c != waited:
+                    if src != local_src:
+                        _spin(sig_ptr + src * sig_src + blk * sig_blk)
+                    waited = c
+        else:
+            mt = ((pivot * chunk_rows) // BM + pm) % tm
+            row_a = mt * BM
+            row_out = row_a
+            if WAIT:
+                c_lo = row_a // chunk_rows
+                c_hi = (tl.minimum(row_a + BM, M) - 1) // chunk_rows
+                for cc in range(c_lo, c_hi + 1):
+                    _spin(sig_ptr + cc * sig_src)
+        is_local = src == local_src
+        if LOCAL:
+            sel = tl.where(is_local, 1 - ws_index, ws_index)
+            row_load = tl.where(is_local, row_a - local_src * rows_per_src, row_a)
+        off_n = pn * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BK
+            if LOCAL:
+                a = a_desc.load([sel, row_load, off_k]).reshape(BM, BK)
+            else:
+                a = a_desc.load([row_a, off_k])
+            if STORE_A:
+                if ki % num_pid_n == pn:
+                    g_desc.store([row_out, off_k], a)
+            if B_TRANS:
+                acc = tl.dot(a, b_desc.load([off_n, off_k]).T, acc)
+            else:
+                acc = tl.dot(a, b_desc.load([off_k, off_n]), acc)
+        cols = off_n + tl.arange(0, BN)
+        if A_SCALE == 1:
+            acc = acc * tl.load(a_scale_ptr)
+        if A_SCALE == 2:
+            rows = tl.arange(0, BM)
+            if LOCAL:
+                if is_local:
+                    sa = tl.load(a_scale_local_ptr + row_load + rows)
+                else:
+                    sa = tl.load(a_scale_ptr + row_a + rows)
+            else:
+                sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
+            acc = acc * sa[:, None]
+        if B_SCALE == 1:
+            acc = acc * tl.load(b_scale_ptr)
+        if B_SCALE == 2:
+            acc = acc * tl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([row_out, off_n], acc.to(c_desc.dtype))
+        if RESET:
+            if src != local_src:
+                old = tl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
+                if old == tiles_per_group - 1:
+                    tl.atomic_xchg(cnt_ptr + c, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="release", scope="sys")
+
+
+def _scale_mode(scale: torch.Tensor | None) -> int:
+    return 0 if scale is None else (1 if scale.numel() == 1 else 2)
+
+
+def _a_descriptor(a: torch.Tensor, a_local: torch.Tensor | None, bm: int, bk: int):
+    """(descriptor, index of the workspace rows in it). With a_local, one 3-D descriptor over both
+    allocations: index 0 is the lower address, index 1 the other, one stride apart."""
+    k = a.shape[1]
+    if a_local is None:
+        return TensorDescriptor(a, list(a.shape), [k, 1], [bm, bk]), 0
+    lo, hi = (a, a_local) if a.data_ptr() <= a_local.data_ptr() else (a_local, a)
+    gap = hi.data_ptr() - lo.data_ptr()
+    stride = gap // a.element_size()
+    desc = TensorDescriptor(lo, [2, a.shape[0], k], [stride, k, 1], [1, bm, bk])
+    return desc, (0 if lo is a else 1)
+
+
+def local_descriptor_ok(a: torch.Tensor, a_local: torch.Tensor) -> bool:
+    """Whether one 3-D TMA descriptor can address both allocations (see _a_descriptor)."""
+    gap = abs(a.data_ptr() - a_local.data_ptr())
+    return gap % 16 == 0 and 0 < gap < _TMA_STRIDE_LIMIT and a_local.stride(0) == a.shape[1]
+
+
+def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, a_local, gathered,
+           counters, a_scale, a_scale_local, b_scale, bias, cfg: Config, num_sms: int) -> None:
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m_total, k = n * chunk_rows, a.shape[1]
+    nn_ = out.shape[1]
+    aligned = chunk_rows % bm == 0
+    if a_local is not None and not (aligned and local_descriptor_ok(a, a_local)):
+        raise ValueError("async_input_mm: the local rows need aligned chunks and a TMA-addressable gap")
+    a_desc, ws_index = _a_descriptor(a, a_local, bm, bk)
+    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [k, 1] if b_trans else
+                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
+    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
+    g_desc = TensorDescriptor(gathered, [m_total, k], [k, 1], [bm, bk]) if gathered is not None else c_desc
+    rows_per_src = chunk_rows * cmap.blocks
+    out_src = rows_per_src if cmap.out_src is None else cmap.out_src
+    out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
+    tiles = (m_total // bm if aligned else triton.cdiv(m_total, bm)) * triton.cdiv(nn_, bn)
+    grid = (max(1, min(num_sms, tiles)),)
+    dummy = out
+    _ag_mm_kernel[grid](
+        a_desc, b_desc, c_desc, g_desc,
+        signals if signals is not None else dummy, counters if counters is not None else dummy,
+        a_scale if a_scale is not None else dummy, a_scale_local if a_scale_local is not None else dummy,
+        b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
+        m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, ws_index,
+        sig_src, sig_blk, out_src, out_blk,
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
+        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
+        STORE_A=gathered is not None, B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
+        HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )

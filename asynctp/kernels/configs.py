@@ -1,0 +1,87 @@
+"""Tile configurations of the persistent GEMMs: a small table per operand type, and a tuner
+that times the candidates once per problem and remembers the fastest."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["Config", "candidates", "pick_config", "remember", "load_tuned", "tuned"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One tile shape of the persistent GEMM (Triton meta-parameters)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8  # m-tiles per group of the tile order (L2 reuse of b)
+    stages: int = 3  # software-pipelining depth of the K loop
+    warps: int = 8
+    flatten: bool = True  # one software pipeline across the tile loop and the K loop
+
+
+# Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer
+# (128x256x64 with 4 stages does not).
+_TABLE: dict[str, list[Config]] = {
+    "16bit": [Config(128, 256, 64, stages=3, warps=8), Config(128, 128, 64, stages=4, warps=4),
+              Config(128, 256, 64, stages=3, warps=8, flatten=False)],
+    "fp8": [Config(128, 256, 128, stages=3, warps=8), Config(128, 128, 128, stages=4, warps=4),
+            Config(256, 128, 128, stages=3, warps=8)],
+}
+
+_tuned: dict[tuple, Config] = {}
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "fp8" if dtype.itemsize == 1 else "16bit"
+
+
+def candidates(dtype: torch.dtype) -> list[Config]:
+    """The configurations worth timing for operands of `dtype`, the default first."""
+    return list(_TABLE[_kind(dtype)])
+
+
+def _key(dtype: torch.dtype, m: int, n: int, k: int) -> tuple:
+    return (_kind(dtype), m, n, k)
+
+
+def pick_config(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int | None = None) -> Config:
+    """The tuned configuration of this problem if one was timed, else the table's default whose
+    tile divides the chunks (so no tile spans two chunks)."""
+    cfg = _tuned.get(_key(dtype, m, n, k))
+    if cfg is not None and (chunk_rows is None or chunk_rows % cfg.block_m == 0):
+        return cfg
+    for cfg in candidates(dtype):
+        if chunk_rows is None or chunk_rows % cfg.block_m == 0:
+            return cfg
+    return candidates(dtype)[0]
+
+
+def remember(dtype: torch.dtype, m: int, n: int, k: int, cfg: Config) -> None:
+    _tuned[_key(dtype, m, n, k)] = cfg
+
+
+def tuned() -> dict[str, dict]:
+    """The remembered choices, JSON-ready (kind, M, N, K -> config)."""
+    return {"/".join(map(str, key)): asdict(cfg) for key, cfg in _tuned.items()}
+
+
+def load_tuned(path: str) -> None:
+    """Adopt the choices saved by `save_tuned` (a missing file is no error)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for key, fields in json.load(f).items():
+            kind, m, n, k = key.split("/")
+            _tuned[(kind, int(m), int(n), int(k))] = Config(**fields)
+
+
+def save_tuned(path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(tuned(), f, indent=1, sort_keys=True)

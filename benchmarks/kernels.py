@@ -1,0 +1,162 @@
+"""Times asynctp's persistent GEMMs alone on one GPU against cuBLAS (torch.mm / torch._scaled_mm)
+at the local GEMMs of the benchmark's shape sets: flags set in advance (no wait), the per-chunk
+waits live (flags set, the spin runs), the fused all-gather's call (local rows from their own
+tensor, gathered rows stored), and the reduce-scatter producer. Every config of the table is
+timed, so the tuned choice comes from the same run.
+
+    python benchmarks/kernels.py OUT.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton.testing
+
+from asynctp.kernels.async_input_mm import ChunkMap, launch
+from asynctp.kernels.configs import candidates
+from asynctp.kernels.producer_mm import launch_producer
+
+FP8 = torch.float8_e4m3fn
+# (label, M, N, K): out [M, N] = a [M, K] @ b [K, N], b = weight.t()
+SHAPES = [
+    ("seed AG 4096", 4096, 3584, 8192),
+    ("seed AG 8192", 8192, 3584, 8192),
+    ("seed RS 4096", 4096, 8192, 3584),
+    ("seed RS 8192", 8192, 8192, 3584),
+    ("llama8b w13 8192", 8192, 14336, 4096),
+    ("llama8b w2 8192", 8192, 4096, 7168),
+]
+
+
+def _time(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+
+
+def _operands(m, n, k, fp8):
+    if fp8:
+        a = (torch.randn(m, k, device="cuda") * 2).to(FP8)
+        w = (torch.randn(n, k, device="cuda") * 2).to(FP8)
+        return a, w.t(), torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return a, torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t(), None, None
+
+
+def bench_shape(label, m, n, k, fp8, world=2, quick=False) -> list[dict]:
+    a, b, sa, sb = _operands(m, n, k, fp8)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        ref_fn = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        ref_fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    ref = ref_fn().clone()
+    t_ref = _time(ref_fn)
+    rows = []
+    flags = torch.ones(world * 4, dtype=torch.int32, device="cuda")
+    cands = candidates(a.dtype)[:1] if quick else candidates(a.dtype)
+    for cfg in cands:
+        row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16",
+               "config": cfg.__dict__.copy(), "cublas_us": t_ref}
+        try:
+            def plain():
+                launch(a, b, out, None, (1, 1, 0), m, 0, ChunkMap(), a_scale=sa, b_scale=sb, config=cfg)
+
+            def waits():
+                launch(a, b, out, flags, (world, 1, 0), m // world, 1, ChunkMap(), a_scale=sa, b_scale=sb,
+                       config=cfg)
+
+            plain()
+            sqnr = 10 * torch.log10(ref.double().pow(2).mean() / (out.double() - ref.double()).pow(2).mean())
+            row["sqnr_db"] = float(sqnr)
+            row["no_wait_us"] = _time(plain)
+            row["waits_us"] = _time(waits)
+            row["fused_ag_us"] = _fused_ag(a, b, sa, sb, out, world, cfg)
+        except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _fused_ag(a, b, sa, sb, out, world, cfg) -> float:
+    """The all-gather's call: rank 0 of `world`, local rows from their own tensor, every remote
+    flag set, the gathered rows stored, flags reset by the kernel (set again before each run)."""
+    m, k = a.shape
+    shard = m // world
+    mine = a[:shard].clone()
+    gathered = torch.empty_like(a)
+    flags = torch.ones(world, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(world, dtype=torch.int32, device="cuda")
+    scale_local = sa[:shard].clone() if sa is not None else None
+
+    def run():
+        flags.fill_(1)
+        launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), a_local=mine, gathered=gathered,
+               counters=counters, a_scale=sa, a_scale_local=scale_local, b_scale=sb, config=cfg)
+
+    return _time(run)
+
+
+def bench_producer(label, m, n, k, fp8, world=2, blocks=2) -> dict:
+    """The reduce-scatter producer, every flag set (own blocks never wait): against one GEMM."""
+    a, b, sa, sb = _operands(m, n, k, fp8)
+    shard = m // world
+    out = torch.empty(shard, n, device="cuda", dtype=torch.bfloat16)
+    partials = torch.empty(world - 1, shard, n, device="cuda", dtype=torch.bfloat16)
+    received = torch.randn(world, shard, n, device="cuda").to(torch.bfloat16)
+    flags = torch.ones(world * blocks, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
+    full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        flags.fill_(1)
+        counters.zero_()
+        launch_producer(a, b, partials, received, out, 0, world, blocks, (shard, shard // blocks), flags,
+                        (1, world), counters, a_scale=sa, b_scale=sb)
+
+    ref_fn = ((lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)) if fp8
+              else (lambda: torch.mm(a, b, out=full)))
+    row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16", "blocks": blocks,
+           "cublas_us": _time(ref_fn)}
+    try:
+        row["producer_us"] = _time(run)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--quick", action="store_true", help="the default config only")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "gemm": [], "producer": []}
+    for fp8 in (False, True):
+        for label, m, n, k in SHAPES:
+            result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick)
+            if "RS" in label or "w2" in label:
+                result["producer"].append(bench_producer(label, m, n, k, fp8))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} ratio")
+    for r in result["gemm"]:
+        c = r["config"]
+        tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}"
+        if "error" in r:
+            print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['error'][:60]}")
+            continue
+        print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['cublas_us']:7.1f} {r['no_wait_us']:7.1f} "
+              f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
+    for r in result["producer"]:
+        print(f"producer {r['shape']:20} {r['dtype']:12} cublas {r['cublas_us']:.1f} "
+              f"producer {r.get('producer_us', float('nan')):.1f} {r.get('error', '')[:80]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The persistent GEMMs of asynctp.kernels alone, on one GPU, in one process: against torch.mm /
+torch._scaled_mm, with flags set in advance, set late by stream writes after host-to-device
+copies on another stream (the deadlock rule: nothing the GEMM waits for needs an SM), in any
+order, from every pivot; the reduce-scatter producer's partials, counters and reduction."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from asynctp.kernels import async_input_mm
+from asynctp.kernels.async_input_mm import ChunkMap, launch
+from asynctp.kernels.configs import Config
+from asynctp.kernels.producer_mm import launch_producer, producer_mm_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FP8 = torch.float8_e4m3fn
+
+
+def _sqnr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float(10 * torch.log10(ref.pow(2).mean() / (x - ref).pow(2).mean().clamp_min(1e-30)))
+
+
+def _flags(n: int, value: int = 1) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("m,n,k,chunks", [(1024, 512, 256, 4), (1000, 300, 200, 2), (384, 1000, 136, 3),
+                                          (4096, 3584, 1024, 2)])
+@pytest.mark.parametrize("trans", [False, True])
+def test_bf16_against_mm(m, n, k, chunks, trans):
+    """Ragged M, N and K too (not multiples of the tile); b row-major and weight.t()."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if trans
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
+    ref = (a.double() @ b.double())
+    for pivot in range(chunks):
+        out = async_input_mm(a, b, _flags(chunks), pivot)
+        err = (out.double() - ref).norm() / ref.norm()
+        assert err < 1e-2, (pivot, err)
+        assert not out.isnan().any()
+
+
+def test_bias_is_added_in_the_epilogue():
+    a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(384, device="cuda", dtype=torch.bfloat16)
+    out = async_input_mm(a, b, _flags(2), 1, bias=bias)
+    ref = torch.addmm(bias.double(), a.double(), b.double())
+    assert (out.double() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_fp8_against_scaled_mm(mode):
+    m, n, k = 2048, 1536, 1024
+    a = (torch.randn(m, k, device="cuda") * 2).to(FP8)
+    w = (torch.randn(n, k, device="cuda") * 2).to(FP8)
+    if mode == "tensorwise":
+        sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
+    else:
+        sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+    ref = torch._scaled_mm(a, w.t(), sa, sb, out_dtype=torch.bfloat16)
+    out = async_input_mm(a, w.t(), _flags(4), 3, a_scale=sa, b_scale=sb, out_dtype=torch.bfloat16)
+    assert _sqnr(out, ref) >= 40
+
+
+@pytest.mark.parametrize("cfg", [Config(128, 256, 64), Config(128, 128, 64, stages=4, warps=4),
+                                 Config(128, 256, 64, flatten=False)])
+def test_configs_agree(cfg):
+    a = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
+    out = async_input_mm(a, b, _flags(2), 0, config=cfg)
+    ref = a.double() @ b.double()
+    assert (out.double() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("pivot", [0, 1, 2, 3])
+def test_late_signals_out_of_order(pivot):
+    """The GEMM is queued first; each chunk's rows arrive 5 ms later by a host-to-device copy on
+    another stream, followed by a stream write of its flag, in a shuffled order. Exact: the
+    product equals the kernel's own product on rows that were in place from the start."""
+    from asynctp.symm import streamops
+
+    ops = streamops.load()
+    if ops is None:
+        pytest.skip(f"no stream memory operations: {streamops.unavailable_reason()}")
+    chunks, rows = 4, 256
+    host = torch.randn(chunks * rows, 512, dtype=torch.bfloat16).pin_memory()
+    b = torch.randn(512, 640, device="cuda", dtype=torch.bfloat16)
+    a = torch.full((chunks * rows, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flags = _flags(chunks, 0)
+    expected = async_input_mm(host.cuda(), b, _flags(chunks), pivot)
+    torch.cuda.synchronize()
+    producer = torch.cuda.Stream()
+    out = async_input_mm(a, b, flags, pivot)  # queued; waits on the GPU
+    time.sleep(0.005)
+    for c in torch.randperm(chunks).tolist():
+        with torch.cuda.stream(producer):
+            a[c * rows : (c + 1) * rows].copy_(host[c * rows : (c + 1) * rows], non_blocking=True)
+            ops.write(producer.cuda_stream, flags.data_ptr() + 4 * c, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_local_rows_gathered_and_flags_reset():
+    """The fused all-gather's call: 2 sources x 2 blocks, the local source read from its own
+    tensor (3-D descriptor), the gathered rows stored by the tiles, flags reset by the last tile."""
+    world, blocks, m, k, n = 2, 2, 512, 384, 640
+    for local in range(world):
+        ws = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
+        mine = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        full = ws.clone()
+        full[local * m : (local + 1) * m] = mine
+        ws[local * m : (local + 1) * m] = float("nan")  # never read
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+        flags = torch.zeros(world * blocks, dtype=torch.int32, device="cuda")
+        flags.view(blocks, world)[:, 1 - local] = 1  # flag of (src, blk) at src + blk * world
+        counters = torch.zeros(world * blocks, dtype=torch.int32, device="cuda")
+        out = torch.empty(world * m, n, device="cuda", dtype=torch.bfloat16)
+        gathered = torch.empty_like(full)
+        launch(ws, b, out, flags, (world * blocks, 1, world), m // blocks, local * blocks,
+               ChunkMap(blocks=blocks, local_src=local), a_local=mine, gathered=gathered, counters=counters)
+        plain = async_input_mm(full, b, _flags(1), 0)
+        assert torch.equal(gathered, full)
+        assert torch.equal(out, plain)
+        assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("world,blocks", [(2, 1), (2, 2), (4, 2)])
+def test_producer_against_reference(world, blocks):
+    m, n, k = 512, 640, 384
+    for rank in range(world):
+        a = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+        received = torch.randn(world, m, n, device="cuda", dtype=torch.bfloat16)
+        partials = torch.empty(world - 1, m, n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        flags = torch.ones(world * blocks, dtype=torch.int32, device="cuda")  # (src, blk) at src + blk * world
+        counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
+        tiles, _ = launch_producer(a, b, partials, received, out, rank, world, blocks, (m, m // blocks), flags,
+                                   (1, world), counters)
+        ref_parts, ref_out = producer_mm_reference(a.double(), b.double(), rank, world, blocks,
+                                                   [r.double() for r in received])
+        for got, ref in zip(partials, ref_parts):
+            assert (got.double() - ref).norm() / ref.norm() < 1e-2
+        assert (out.double() - ref_out).norm() / ref_out.norm() < 1e-2
+        done = counters[: world * blocks].view(world, blocks)
+        assert done[rank].count_nonzero() == 0
+        assert (done[[d for d in range(world) if d != rank]] == tiles).all()
+        assert counters[world * blocks :].count_nonzero() == 0
+        own = flags.view(blocks, world)
+        assert own[:, rank].eq(1).all() and own[:, [s for s in range(world) if s != rank]].eq(0).all()
