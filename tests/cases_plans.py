@@ -3,8 +3,10 @@ made async, against the vanilla plan and the unsharded model (loss, grads, colle
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,11 +41,12 @@ def classic_plan(num_layers: int) -> dict[str, Any]:
     return plan
 
 
-def _fused_calls(model, tokens) -> tuple[float, int]:
-    """(loss, all_gather_linear calls) over one forward + backward."""
+@contextlib.contextmanager
+def counting_fused_gathers() -> Iterator[list[int]]:
+    """Inside the block, every all_gather_linear call of an AsyncColwiseParallel appends to the list."""
     import asynctp.parallel.colwise as colwise
 
-    calls = []
+    calls: list[int] = []
     original = colwise.run_all_gather_linear
 
     def counting(*args, **kwargs):
@@ -52,9 +55,15 @@ def _fused_calls(model, tokens) -> tuple[float, int]:
 
     colwise.run_all_gather_linear = counting
     try:
-        loss = _forward_backward(model, tokens)
+        yield calls
     finally:
         colwise.run_all_gather_linear = original
+
+
+def _fused_calls(model, tokens) -> tuple[float, int]:
+    """(loss, all_gather_linear calls) over one forward + backward."""
+    with counting_fused_gathers() as calls:
+        loss = _forward_backward(model, tokens)
     return loss, len(calls)
 
 

@@ -29,14 +29,19 @@ from asynctp.parallel.make_async import expand_wildcards, warn_unconverted
 from asynctp.parallel.rowwise import AsyncRowwiseParallel
 from asynctp.parallel.shared_gather import SharedGather
 
-__all__ = ["from_hf_plan"]
+__all__ = ["from_hf_plan", "vanilla_plan"]
 
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 
+def vanilla_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The same sequence-parallel plan for module.tp_plan with torch's own styles (the baseline)."""
+    return from_hf_plan(dict(module.tp_plan), module, asynchronous=False)
+
+
 def from_hf_plan(
     plan: dict[str, str], module: nn.Module | None, *, share_gathers: bool = True, float8: Any = None,
-    strategy: str = "auto",
+    strategy: str = "auto", asynchronous: bool = True,
 ) -> dict[str, ParallelStyle]:
     """The async torch plan for a Hugging Face tp_plan of `module` (keys relative to it: pass
     model.tp_plan with the model, or config.base_model_tp_plan with model.model). Entries of
@@ -48,7 +53,7 @@ def from_hf_plan(
     out: dict[str, ParallelStyle] = {}
     unconverted: dict[str, str] = {}
     for key, kind in expand_wildcards(plan, module).items():
-        style = _style(key, kind, shared, share_gathers, float8, strategy)
+        style = _style(key, kind, shared, share_gathers, float8, strategy, asynchronous)
         if style is None:
             unconverted[key] = f"{kind!r} has no sequence-parallel async form (left out of the plan)"
         else:
@@ -61,8 +66,14 @@ def from_hf_plan(
 
 
 def _style(
-    key: str, kind: str, shared: dict[str, SharedGather], share: bool, float8: Any, strategy: str,
+    key: str, kind: str, shared: dict[str, SharedGather], share: bool, float8: Any, strategy: str, asynchronous: bool,
 ) -> ParallelStyle | None:
+    if not asynchronous and kind in ("colwise", "rowwise"):
+        if float8 is not None:
+            raise ValueError(f"the vanilla plan requires float8=None (fp8 is asynctp's), got {float8!r}")
+        if kind == "colwise":
+            return ColwiseParallel(input_layouts=Shard(1))
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     if kind == "colwise":
         gather = shared.setdefault(key.rpartition(".")[0], SharedGather()) if share else None
         return AsyncColwiseParallel(input_layouts=Shard(1), float8=float8, strategy=strategy, shared_gather=gather)
@@ -70,6 +81,6 @@ def _style(
         return AsyncRowwiseParallel(output_layouts=Shard(1), use_local_output=False, float8=float8, strategy=strategy)
     if kind == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
-    if kind == "colwise_gather_output":
+    if kind in ("colwise_gather_output", "colwise_rep"):  # the head: gathered logits (older releases: _rep)
         return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return None
