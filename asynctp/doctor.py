@@ -11,10 +11,8 @@ __all__ = ["add_arguments", "run", "report"]
 
 _ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "ASYNCTP_TIMEOUT",
              "ASYNCTP_DISABLE_SYMM", "ASYNCTP_TUNING_CACHE", "ASYNCTP_SM_CARVEOUT", "ASYNCTP_RING_SPLITS",
-             "ASYNCTP_SIGNALS", "ASYNCTP_GRAPHS", "ASYNCTP_GRAPHS_LAG_MS", "ASYNCTP_MAX_GRAPHS", "ASYNCTP_FP8_KERNELS",
-             "ASYNCTP_GATHER", "ASYNCTP_SPLITS", "ASYNCTP_LOCKSTEP", "ASYNCTP_SIDE_REDUCE",
-             "ASYNCTP_RS_DIRECT", "ASYNCTP_RS_EPILOGUE", "ASYNCTP_FP8_EPILOGUE", "ASYNCTP_CUBLASLT_TUNE",
-             "ASYNCTP_BATCH_MAJOR", "ASYNCTP_DGRAD_CAT")
+             "ASYNCTP_SIGNALS", "ASYNCTP_GRAPHS", "ASYNCTP_GRAPHS_LAG_MS", "ASYNCTP_MAX_GRAPHS",
+             "ASYNCTP_BATCH_MAJOR")
 
 
 def report() -> list[str]:
@@ -53,8 +51,6 @@ def _fp8_quantization_line(n: int) -> str:
     """How asynctp.float8 quantizes here: Triton kernels on CUDA, torch ops otherwise."""
     if n == 0:
         return "fp8 quantization: torch ops (CPU)"
-    if os.environ.get("ASYNCTP_FP8_KERNELS", "1") == "0":
-        return "fp8 quantization: torch ops (ASYNCTP_FP8_KERNELS=0)"
     try:
         import asynctp.float8.kernels  # noqa: F401
     except ImportError as exc:

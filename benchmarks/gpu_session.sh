@@ -21,47 +21,24 @@ for s in ${STEPS:-rs demo tests8 fp8 compile}; do
     ringp2p) for op in all_gather_matmul matmul_reduce_scatter; do NCCL_P2P_DISABLE=1 ASYNCTP_DISABLE_SYMM=1 step 120 bench_nop2p_$op python3 -m asynctp.cli bench --op $op --shapes seed --hardware ${HW:-2xH200}-noP2P --out $R; done ;;
     tests8) step ${T8_LIMIT:-200} gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py tests/gpu/test_training.py ;;
     fp8) for op in ${FP8_OPS:-all_gather_scaled_matmul_rowwise all_gather_scaled_matmul_tensorwise scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise}; do step ${FP8_LIMIT:-60} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${FP8_SHAPES:-seed} --tune --out $R; done ;;
-    probehost) TAILN=40 step ${PROBE_LIMIT:-300} probe_host python3 benchmarks/probe_host.py $R/probe_host ;;
     pyt) step ${PYT_LIMIT:-300} pytest_selected python3 -m pytest -q -p no:cacheprovider $PYTEST_ARGS ;;
     demosb) step ${DEMO_LIMIT:-300} demo_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --serial-baseline ${PROFILE---profile} --out $R/demo_sb ;;
-    hoststep) TAILN=8 step ${HS_LIMIT:-240} probe_host_step python3 benchmarks/probe_host_step.py $R/host_step ${HS_SPECS:-} ;;
-    quant) TAILN=12 step ${Q_LIMIT:-120} probe_quantize python3 benchmarks/probe_quantize.py $R ;;
     demofp8sb) step ${DEMO_LIMIT:-300} demo_fp8_sb python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise} ;;
-    demofp8pull) ASYNCTP_GATHER=pull step ${DEMO_LIMIT:-300} demo_fp8_sb_pull python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --float8 ${FP8_RECIPE:-rowwise} --serial-baseline ${PROFILE---profile} --out $R/fp8demo_sb_${FP8_RECIPE:-rowwise}_pull ;;
     demoil) for spec in ${DEMOIL_SPECS:-bf16:1}; do IFS=: read -r rec bs <<< "$spec"; f8=""; [ "$rec" != bf16 ] && f8="--float8 $rec"; step ${DEMO_LIMIT:-300} demo_il_${rec}_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-40} --batch-size $bs --serial-baseline --interleave $f8 ${DEMO_ARGS:-} --out $R/demo_il_${rec}_b$bs; done ;;
-    capture) TAILN=4 step 90 probe_capture python3 benchmarks/probe_capture.py $R/probes ;;
-    plans) TAILN=40 step ${PLANS_LIMIT:-300} probe_plans python3 benchmarks/probe_pipeline_plans.py $R/plans ;;
-    trace) for spec in ${TRACES:-ag:rowwise:4096 rs:rowwise:4096}; do IFS=: read -r op kind m <<< "$spec"; PROBE_OP=$op PROBE_KIND=$kind PROBE_M=$m TAILN=60 step 90 trace_${op}_${kind}$m python3 benchmarks/trace_pipeline.py $R/traces; done ;;
     demobm) ASYNCTP_BATCH_MAJOR=1 step ${DEMO_LIMIT:-300} demo_il_batch_major python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size 2 --serial-baseline --interleave ${DEMO_ARGS:-} --out $R/demo_il_bf16_b2_batch_major ;;
-    plansbm) for spec in ${PLANSBM_SPECS:-2:8192,16384}; do IFS=: read -r b ms <<< "$spec"; PROBE_BATCH=$b PROBE_M=$ms TAILN=40 step ${PLANS_LIMIT:-300} probe_plans_batch$b python3 benchmarks/probe_pipeline_plans.py $R/plans_batch$b; done ;;
     sdpa) TAILN=10 step 60 probe_sdpa python3 benchmarks/probe_sdpa_strides.py $R/sdpa ;;
-    grads) TAILN=40 step ${GRADS_LIMIT:-240} probe_grads python3 benchmarks/probe_grads.py $R/grads ;;
     graphmem) for spec in ${GRAPHMEM_SPECS:-2:auto 2:1 2:0}; do IFS=: read -r bs pol <<< "$spec"; ASYNCTP_GRAPHS=$pol step ${DEMO_LIMIT:-200} demo_graphs_${pol}_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs ${DEMO_ARGS:-} --out $R/graphs_${pol}_b$bs; done ;;
     demo200) step ${DEMO_LIMIT:-300} demo_200_control python3 -m asynctp.cli demo --model 8b-block --steps 200 --control --no-comm-baseline ${DEMO_ARGS:-} --out $R/demo200 ;;
-    fp8epi) TAILN=12 step ${EPI_LIMIT:-180} probe_fp8_epilogue python3 benchmarks/probe_fp8_epilogue.py $R/fp8_epilogue ;;
-    fp8epiop) ASYNCTP_FP8_EPILOGUE=1 step 150 gpu_tests_fp8_epilogue python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py -k "reduce_scatter"
-              for op in scaled_matmul_reduce_scatter_rowwise scaled_matmul_reduce_scatter_tensorwise; do ASYNCTP_FP8_EPILOGUE=1 step ${FP8_LIMIT:-60} bench_epilogue_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_epilogue_op; done ;;
-    fp8lt) step 200 gpu_tests_cublaslt python3 -m pytest -q -p no:cacheprovider tests/gpu/test_float8.py -k cublaslt  # issue 4: cuBLASLt's accumulate epilogue
-           TAILN=8 step ${EPI_LIMIT:-120} probe_cublaslt_algos python3 benchmarks/probe_cublaslt_algos.py $R/cublaslt_algos
-           for op in ${LT_OPS:-scaled_matmul_reduce_scatter_tensorwise}; do
-             step ${FP8_LIMIT:-60} bench_default_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_default_op
-             ASYNCTP_FP8_EPILOGUE=cublaslt step ${FP8_LIMIT:-60} bench_cublaslt_$op python3 -m asynctp.cli bench --op $op --shapes seed --tune --out $R/fp8_cublaslt_op; done ;;
-    democmp) for bs in ${CMP_BATCHES:-2}; do  # issue 5: eager asynctp vs compiled vanilla + torch's async TP, one machine
+    democmp) for bs in ${CMP_BATCHES:-2}; do  # eager asynctp vs compiled vanilla + torch's async TP, one machine
                step ${DEMO_LIMIT:-120} demo_eager_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs --no-comm-baseline --out $R/eager_b$bs
                step ${COMPILE_LIMIT:-440} demo_compiled_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs --compile --torch-async-tp --no-comm-baseline --out $R/compiled_b$bs; done ;;
-    demotorch) for bs in ${CMP_BATCHES:-1 2}; do  # issue 5 in one run: eager vanilla, eager asynctp, no-comm, compiled torch async TP
+    demotorch) for bs in ${CMP_BATCHES:-1 2}; do  # in one run: eager vanilla, eager asynctp, no-comm, compiled torch async TP
                  step ${DEMO_LIMIT:-260} demo_torch_b$bs python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-30} --batch-size $bs --torch-async-tp --no-comm-baseline ${DEMO_ARGS:-} --out $R/demo_torch_b$bs; done ;;
-    demosync) for spec in ${SYNC_SPECS:-1:10 1:1}; do  # issue 5: demotorch with the host waiting every N steps (bs:N)
+    demosync) for spec in ${SYNC_SPECS:-1:10 1:1}; do  # demotorch with the host waiting every N steps (bs:N)
                 IFS=: read -r bs n <<< "$spec"
                 step ${DEMO_LIMIT:-270} demo_torch_b${bs}_sync$n python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-43} --batch-size $bs --torch-async-tp --no-comm-baseline --sync-every $n ${DEMO_ARGS:-} --out $R/demo_torch_b${bs}_sync$n; done ;;
     demofp8sync) for rec in ${FP8_RECIPES:-rowwise tensorwise}; do  # fp8 asynctp vs vanilla TP (bf16), the host waiting every SYNC_N steps
                    step ${DEMO_LIMIT:-150} demo_fp8_${rec}_sync${SYNC_N:-10} python3 -m asynctp.cli demo --model 8b-block --steps ${DEMO_STEPS:-43} --batch-size ${FP8_BATCH:-1} --float8 $rec --sync-every ${SYNC_N:-10} --out $R/demo_fp8_${rec}_sync${SYNC_N:-10}; done ;;
-    graphpol) for spec in ${GP_SPECS:-1:auto:1 1:1:1 1:auto:5 1:auto:10 2:auto:1 2:auto:10 2:1:1}; do  # eager step time per graph-cache policy
-                IFS=: read -r bs g lag <<< "$spec"
-                ASYNCTP_GRAPHS=$g ASYNCTP_GRAPHS_LAG_MS=$lag PROBE_PLAIN=1 PROBE_STEPS=${GP_STEPS:-10} PROBE_BATCH=$bs TAILN=2 step ${GP_LIMIT:-100} graphpol_b${bs}_g${g}_lag$lag python3 benchmarks/probe_host_step.py $R/graphpol asynctp:none; done ;;
-    dgradab) for spec in ${AB_SPECS:-1:0 1:1 1:0 1:1 2:0 2:1}; do  # A/B, one machine: column-parallel dgrad with per-term GEMMs (0) or concatenations (1)
-               IFS=: read -r bs cat <<< "$spec"
-               ASYNCTP_DGRAD_CAT=$cat PROBE_PLAIN=1 PROBE_STEPS=${AB_STEPS:-20} PROBE_WARMUP=25 PROBE_BATCH=$bs TAILN=2 step ${AB_LIMIT:-90} dgrad_b${bs}_cat$cat python3 benchmarks/probe_host_step.py $R/dgradab asynctp:none; done ;;
     tpnum) TAILN=${TAILN:-30} step ${TPNUM_LIMIT:-300} probe_torch_async_tp_numerics python3 benchmarks/probe_torch_async_tp_numerics.py $R/tpnum ;;
     compile) step 200 gpu_compile python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_compile.py ;;
   esac

@@ -114,12 +114,18 @@ def all_gather_matmul_grid(device: str, dtype_name: str, strategy: str) -> int:
     return count
 
 
-def under_env(env: dict[str, str], fn, *args):
-    """fn(*args) with os.environ updated by env for the call (the pipelines read their plan
-    switches, ASYNCTP_GATHER / ASYNCTP_SPLITS / ..., at every call)."""
+def under_env(env: dict, fn, *args):
+    """fn(*args) with os.environ updated by env for the call (the ops read ASYNCTP_BATCH_MAJOR and
+    ASYNCTP_GRAPHS at every call); a "splits" entry instead forces the pipelines' row blocks per
+    rank chunk (asynctp.ops.tuning.forced_splits)."""
+    import contextlib
     from unittest import mock
 
-    with mock.patch.dict(os.environ, env):
+    from asynctp.ops.tuning import forced_splits
+
+    env = dict(env)
+    splits = env.pop("splits", None)
+    with mock.patch.dict(os.environ, env), (forced_splits(splits) if splits else contextlib.nullcontext()):
         return fn(*args)
 
 

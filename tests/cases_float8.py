@@ -156,7 +156,7 @@ def with_scale_cases(device: str) -> int:
     count = 0
     with checked_scaled_mm():
         for shape, dim, env in (([3, K_BLOCK], 0, {}), ([2, 3, K_BLOCK], 0, {}), ([2, 3, K_BLOCK], 1, {}),
-                                ([2, 3, K_BLOCK], 1, {"ASYNCTP_BATCH_MAJOR": "1", "ASYNCTP_SPLITS": "2"})):
+                                ([2, 3, K_BLOCK], 1, {"ASYNCTP_BATCH_MAJOR": "1", "splits": 2})):
             for strategy in ("pipeline", "serial", "ring"):
                 shards = [fp8_ints(shape, count * 10 + r, E4M3, device) for r in range(ws)]
                 scales = _a_scales("rowwise", [shape] * ws, count * 10 + 5, device)
@@ -267,20 +267,11 @@ def scaled_matmul_reduce_scatter_grid(device: str, strategy: str) -> int:
 
 @contextlib.contextmanager
 def _splits(splits: int | None) -> Iterator[None]:
-    """Force the pipelines' row blocks per rank chunk (tuning.plan_for reads the variable)."""
-    import os
+    """Force the pipelines' row blocks per rank chunk (None: the plan's own)."""
+    from asynctp.ops.tuning import forced_splits
 
-    from asynctp.ops.tuning import _SPLITS_ENV
-
-    old = os.environ.pop(_SPLITS_ENV, None)
-    if splits is not None:
-        os.environ[_SPLITS_ENV] = str(splits)
-    try:
+    with forced_splits(splits) if splits is not None else contextlib.nullcontext():
         yield
-    finally:
-        os.environ.pop(_SPLITS_ENV, None)
-        if old is not None:
-            os.environ[_SPLITS_ENV] = old
 
 
 def alignment_cases(device: str, splits: int | None = None) -> int:
@@ -663,88 +654,4 @@ def quantize_kernels_exact(device: str = "cuda") -> int:
     got = q.quantize_rows(x, E4M3, recipe, out=out, scale_out=scale_out)
     assert got[0] is out and got[1] is scale_out
     check(got, q.quantize_rows(x, E4M3, recipe), "into kept buffers")
-    return count
-
-
-def fp8_epilogue_used(device: str, kind: str = "triton") -> bool:
-    """Whether one pipelined 2-D reduce-scatter (sum) ran the GEMM with the epilogue addition
-    (ASYNCTP_FP8_EPILOGUE=1: the Triton kernel; =cublaslt: cuBLASLt; 2 ranks) and matched the
-    reference."""
-    from unittest import mock
-
-    if kind == "triton":
-        import asynctp.ops.triton_scaled_mm as module
-        name = "scaled_mm_add"
-    else:
-        import asynctp.ops.cublaslt as module
-        name = "scaled_mm_lt"
-    calls = [0]
-    real = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    # cuBLASLt on sm_90 has no rowwise (outer-vector) fp8 scales: tensorwise there
-    a_mode, b_mode = ("tensorwise", "tensorwise") if kind == "cublaslt" else ("rowwise", "per_column")
-    with mock.patch.object(module, name, counted):
-        check_rs(device, ndim=2, scatter_dim=0, a_mode=a_mode, b_mode=b_mode, out_dtype=torch.bfloat16,
-                 with_bias=False, reduce_op="sum", strategy="pipeline", seed=7)
-    return calls[0] > 0
-
-
-def cublaslt_matches_fp32_math(device: str = "cuda") -> int:
-    """asynctp.ops.cublaslt.scaled_mm_lt on random fp8 data against fp32 math on the same values:
-    tensorwise, rowwise and mixed scales, bfloat16 and float32 out, with and without the addend
-    (beta = 1) and with the addend a view into a larger buffer's rows (the pipeline's blocks).
-    Each element within one rounding of out's dtype of the exact result plus an accumulation
-    slack of 2^-10 of the sum of the terms' magnitudes (Hopper's fp8 MMAs accumulate in reduced
-    precision between promotions; a wrong layout, scale or a missing addend is off by the
-    order of the result itself). Where cuBLASLt says it has no algorithm for rowwise scales on
-    this GPU (supports(), sm_90), those cases must raise Unsupported, before any launch, and
-    are not counted; fast_accum and an explicit candidate index (algo=) are covered too.
-    Returns the number of cases."""
-    from asynctp.ops.cublaslt import Unsupported, candidate_configs, scaled_mm_lt, supports
-
-    gen = torch.Generator(device=device).manual_seed(11)
-    count = 0
-    for m, k, n in ((256, 512, 384), (1024, 3584, 1024), (48, 128, 80)):
-        a = (torch.randn(m, k, device=device, generator=gen) / 2).to(torch.float8_e4m3fn)
-        b = (torch.randn(n, k, device=device, generator=gen) / 2).to(torch.float8_e4m3fn).t()
-        product = a.float() @ b.float()
-        magnitude = a.float().abs() @ b.float().abs()
-        scales = {"tensorwise": (torch.tensor(0.5, device=device), torch.tensor(0.25, device=device)),
-                  "rowwise": (torch.rand(m, 1, device=device, generator=gen) + 0.5,
-                              torch.rand(1, n, device=device, generator=gen) + 0.5),
-                  "a tensorwise, b rowwise": (torch.tensor(0.5, device=device),
-                                              torch.rand(1, n, device=device, generator=gen) + 0.5)}
-        for what, (sa, sb) in scales.items():
-            exact, mag = product * sa * sb, magnitude * sa * sb
-            if what != "tensorwise" and supports(True, torch.device(device).index or 0) is not None:
-                out = torch.full((m, n), float("nan"), device=device)
-                try:
-                    scaled_mm_lt(a, b, sa, sb, None, out)
-                except Unsupported:
-                    assert out.isnan().all(), "an unsupported call wrote its output"
-                    continue
-                raise AssertionError(f"supports() says no rowwise scales here, yet scaled_mm_lt ran ({what})")
-            for out_dtype in (torch.bfloat16, torch.float32):
-                base = torch.randn(m + 16, n, device=device, generator=gen).to(out_dtype)
-                for addend, fast, algo in ((None, False, None), (base[:m], False, None), (base[16:], False, None),
-                                           (base[:m], True, None), (base[:m], False, -1)):
-                    out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)
-                    if algo == -1:  # the heuristic's last candidate, whatever the tuning picked
-                        algo = len(candidate_configs(a, b, what != "tensorwise", base[:m], fast)) - 1
-                    got = scaled_mm_lt(a, b, sa, sb, addend, out, fast_accum=fast, algo=algo)
-                    assert got is out
-                    ref = exact if addend is None else exact + addend.float()
-                    eps = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-20
-                    # fast accumulation never promotes: the tensor cores' ~2^-13-relative sums
-                    # over K = 3584 terms, bounded loosely by 2^-7 of the magnitudes
-                    slack = eps * ref.abs() + (2.0**-7 if fast else 2.0**-10) * mag + 1e-6
-                    bad = (got.float() - ref).abs() > slack
-                    assert not bad.any(), (f"{m}x{k}x{n} {what} {out_dtype} addend={addend is not None} fast={fast} "
-                                           f"algo={algo}: "
-                                           f"{int(bad.sum())} elements off, worst {(got.float() - ref).abs().max().item()}")
-                    count += 1
     return count

@@ -505,7 +505,7 @@ def shared_gather_misuse(device: str) -> str:
 def float8_training_paths_agree(device: str, recipe: str, steps: int = 8) -> dict[str, dict[str, int]]:
     """fp8 training with asynctp's styles (pipelined) three ways: CUDA graphs + the Triton
     quantization kernels (the default), graphs off (ASYNCTP_GRAPHS=0), torch-op quantization
-    (ASYNCTP_FP8_KERNELS=0). The loss curves must be identical: replays, kept quantization
+    (asynctp.float8.quantize.torch_formulas). The loss curves must be identical: replays, kept quantization
     buffers and the kernels change where work runs, not what it computes. With graphs on, the
     last step must replay nearly every pipelined call (the fp8 operands live in buffers the
     modules keep, so their addresses recur; high-precision operands such as the wgrad's gathered
@@ -518,8 +518,15 @@ def float8_training_paths_agree(device: str, recipe: str, steps: int = 8) -> dic
     settings = TrainSettings(cfg=cfg, steps=steps, dtype=torch.bfloat16, lr=1e-3, float8=recipe)
     variant = Variant("asynctp pipelined", asynchronous=True, strategy="pipeline")
     runs: dict[str, Any] = {}
-    for name, env in (("default", {}), ("no graphs", {"ASYNCTP_GRAPHS": "0"}), ("torch quantization", {"ASYNCTP_FP8_KERNELS": "0"})):
-        runs[name] = under_env(env, train, variant, settings, _mesh(device), torch.device(device))
+    from asynctp.float8.quantize import torch_formulas
+
+    def torch_quantization(*args):
+        with torch_formulas():
+            return train(*args)
+
+    for name, env, run in (("default", {}, train), ("no graphs", {"ASYNCTP_GRAPHS": "0"}, train),
+                           ("torch quantization", {}, torch_quantization)):
+        runs[name] = under_env(env, run, variant, settings, _mesh(device), torch.device(device))
     reference = runs["default"].losses
     for name, run in runs.items():
         assert run.losses == reference, f"{name}: losses {run.losses} vs default {reference}"

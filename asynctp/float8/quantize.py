@@ -12,14 +12,15 @@ b_scale = w_scale.t() (() or [1, N]).
 
 On CUDA (outside torch.compile) the quantization runs as one Triton kernel per tensor
 (asynctp.float8.kernels, bit-for-bit the torch code below, which stays the implementation on CPU
-and under compile); ASYNCTP_FP8_KERNELS=0 turns the kernels off. The `out=` / `scale_out=`
+and under compile; `torch_formulas()` selects it on CUDA too, to compare). The `out=` / `scale_out=`
 arguments of the internal helpers let a caller quantize into buffers it keeps (stable addresses,
 so a fused op fed by them can be replayed from a CUDA graph).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,8 +36,8 @@ __all__ = [
 ]
 
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_KERNELS_ENV = "ASYNCTP_FP8_KERNELS"
 _kernels: Any = None  # the Triton module once imported; False when it cannot be
+_torch_only = False  # set by torch_formulas()
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, recipe: Float8Recipe) -> torch.Tensor:
@@ -93,10 +94,22 @@ def abs_max(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- fast path dispatch
 
+@contextlib.contextmanager
+def torch_formulas() -> Iterator[None]:
+    """Within the block, quantize with the torch formulas on CUDA too (tests compare them with the
+    Triton kernels, which must give the same bytes)."""
+    global _torch_only
+    before, _torch_only = _torch_only, True
+    try:
+        yield
+    finally:
+        _torch_only = before
+
+
 def _fast(t: torch.Tensor) -> Any:
     """The Triton kernels module when t may use it, else None (CPU, torch.compile, turned off)."""
     global _kernels
-    if not t.is_cuda or torch.compiler.is_compiling() or os.environ.get(_KERNELS_ENV, "1") == "0":
+    if not t.is_cuda or torch.compiler.is_compiling() or _torch_only:
         return None
     if _kernels is None:
         try:

@@ -4,8 +4,6 @@ public functions look the group up by name, which dynamo cannot trace)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
@@ -36,10 +34,9 @@ def matmul_scatter(
 def matmul_sum_scatter(
     a_list: list[torch.Tensor], b_list: list[torch.Tensor], dim: int, group_name: str, strategy: str
 ) -> torch.Tensor:
-    """sum_i a_list[i] @ b_list[i], reduce-scattered; traced as the concatenations' one op.
-    ASYNCTP_DGRAD_CAT=1 concatenates in eager mode too (the pre-fifteenth-session path, for A/B
-    measurements)."""
-    if torch.compiler.is_compiling() or os.environ.get("ASYNCTP_DGRAD_CAT") == "1":
+    """sum_i a_list[i] @ b_list[i], reduce-scattered; traced as the concatenations' one op
+    (inductor fuses the concatenation); eager calls add each term's GEMM into the partial."""
+    if torch.compiler.is_compiling():
         return matmul_scatter(*concat_terms(a_list, b_list), dim, group_name, None, strategy)
     return matmul_sum_reduce_scatter(a_list, b_list, dim, group_name, strategy=strategy)
 

@@ -136,9 +136,7 @@ def usable(ws: Any) -> bool:
 
 def settings() -> tuple:
     """The environment settings a pipelined call reads while it is captured."""
-    return tuple(os.environ.get(name) for name in ("ASYNCTP_SM_CARVEOUT", "ASYNCTP_GATHER", "ASYNCTP_SIDE_REDUCE",
-                                                     "ASYNCTP_RS_DIRECT", "ASYNCTP_RS_EPILOGUE", "ASYNCTP_FP8_EPILOGUE",
-                                                     "ASYNCTP_BATCH_MAJOR"))
+    return tuple(os.environ.get(name) for name in ("ASYNCTP_SM_CARVEOUT", "ASYNCTP_BATCH_MAJOR"))
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:

@@ -3,23 +3,16 @@
 Each rank's chunk is cut into `splits` row blocks, so the first remote matmul starts after one
 block has landed, not a whole chunk.
 
-gather_and_consume (all-gather -> consumer), rank r, two ways of moving the blocks:
+gather_and_consume (push-based, all-gather -> consumer), rank r:
 
-  pull (ASYNCTP_GATHER=pull):
-    copy stream:  shard -> own buffer | barrier(0) | pull blocks of r+1, r+2, ... into the
-                  output (an event per block) | barrier(1): peers are done reading r's buffer |
-                  local shard -> output
-    compute:      after barrier(0), consume(r) straight from the input, then each peer block
-                  once its event fired, alternating the caller's stream and a side stream
-  push (the default):
     copy stream:  barrier(0): every rank finished its previous op, slots are free | push each
                   block of the shard into slot r of r+1, r+2, ..., then signal that peer |
                   local shard -> output | each received block slot -> output once it arrived
     compute:      after barrier(0), consume(r) straight from the input, then each block of
                   r-1, r-2, ... straight from its slot in r's own buffer, after its signal
-  Push has no staging copy of the shard before the barrier (the lockstep local GEMM starts
-  sooner) and, when the caller does not keep the gathered tensor, no copy out of the buffer at
-  all; every push is matched by a wait on its signal, so no closing barrier is needed.
+  No staging copy of the shard before the barrier and, when the caller does not keep the
+  gathered tensor, no copy out of the buffer at all; every push is matched by a wait on its
+  signal, so no closing barrier is needed. (Pushing beat pulling: docs/performance.md.)
 
 produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
 
@@ -31,12 +24,7 @@ produce_and_reduce_scatter (push-based, producer -> reduce-scatter), rank r:
                   Otherwise (fp8's scaled GEMM, more ranks) the own block's GEMM runs at once,
                   and its reduction (one addition, or one fp32 sum over the slots) waits for the
                   peers' signals (fp8: on a side stream, under the next own block's GEMM)
-No closing barrier is needed: every push is matched by a wait on its signal. With
-ASYNCTP_RS_DIRECT=1 (an experiment) the remote blocks' GEMMs store straight into the owners'
-slots after barrier(0) and signal from the compute stream: no local partials, no copy engine.
-Measured slower on 2xH200 at every split (fp8 rowwise M 4096: 289 us with 2 blocks against 246
-for the copy-engine push; bf16 M 8192: 850 against 731): the GEMMs' stores over NVLink slow them.
-ASYNCTP_RS_EPILOGUE=0 (an experiment) makes 2 bf16 ranks reduce as fp8 does (no epilogue).
+No closing barrier is needed: every push is matched by a wait on its signal.
 
 The same code runs on the cpu backend, where the Lanes are no-ops and work runs in program
 order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contract).
@@ -45,7 +33,6 @@ order. Buffer layout is per call, from offset 0 (see symm/workspace.py's contrac
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -57,19 +44,6 @@ __all__ = ["gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
 
 _ALIGN = 256  # cuBLAS and the copy engines like 256-byte aligned operands
 _SIGNAL_BASE = 2  # signal channels start after the two barrier channels
-_GATHER_ENV = "ASYNCTP_GATHER"  # "pull" or "push" (the default): how gather_and_consume moves blocks
-_SIDE_REDUCE_ENV = "ASYNCTP_SIDE_REDUCE"  # "0": a reduction without GEMM epilogue stays inline (experiments)
-_RS_DIRECT_ENV = "ASYNCTP_RS_DIRECT"  # "1": remote partials stored by their GEMMs into the owners' slots (experiment)
-_RS_EPILOGUE_ENV = "ASYNCTP_RS_EPILOGUE"  # "0": 2 ranks reduce with an addition, not the GEMM epilogue; "last":
-# only the last own block in the epilogue, the others by additions beside the next GEMM (experiments)
-
-
-def gather_mode() -> str:
-    """How gather_and_consume moves the blocks: "push" (default) or "pull" (ASYNCTP_GATHER)."""
-    mode = os.environ.get(_GATHER_ENV, "") or "push"
-    if mode not in ("push", "pull"):
-        raise ValueError(f"{_GATHER_ENV} requires 'push' or 'pull', got {mode!r}")
-    return mode
 
 
 def _aligned(nbytes: int) -> int:
@@ -92,23 +66,15 @@ def gather_and_consume(
     splits: int = 1,
     alternate: bool = True,
     lockstep: bool = False,
-    mode: str | None = None,
 ) -> None:
     """All-gather each shard ([m, ...], contiguous, same m) into gathered[i] ([R * m, ...], rank
     order; None: the caller does not keep it) and call consume(src_rank, row_lo, blocks) as
     blocks arrive: first the whole local shard (row_lo 0), then each peer's row blocks. consume
     must only read its blocks (they may be views of the workspace: never keep or return them);
     with alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
-    lockstep: the local consume waits for the opening barrier (see below). mode: "push" or
-    "pull" (None: gather_mode())."""
-    mode = mode or gather_mode()
+    lockstep: the local consume waits for the opening barrier (see _push_gather_and_consume)."""
     with sm_carveout(ws.device, "pipeline"), _settled(ws):
-        if mode == "push":
-            _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
-        else:
-            gathered = [g if g is not None else t.new_empty((ws.world_size * t.shape[0], *t.shape[1:]))
-                        for g, t in zip(gathered, shards)]
-            _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+        _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
 
 
 @contextlib.contextmanager
@@ -147,7 +113,11 @@ def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, l
     with lanes.copy():
         ws.barrier(channel=0)
         in_step = lanes.mark() if lockstep else None
-    with lanes.compute(0):  # lockstep: see _gather_and_consume
+    # lockstep: the local GEMM waits for the barrier although it needs nothing from anyone.
+    # Started early on the rank that finished its previous op first, a long GEMM holds every SM
+    # (cuBLAS GEMMs are persistent) when that rank's remote data lands, and the ranks fall out
+    # of step by a GEMM's length each call (2xH200, M 8192: 830-890 us instead of 750).
+    with lanes.compute(0):
         lanes.wait(in_step)
         consume(rank, 0, shards)
     with lanes.copy():
@@ -177,47 +147,6 @@ def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, l
                         if g is not None:
                             g[src * m + lo : src * m + hi].copy_(p[lo:hi])
             i += 1
-    lanes.join()
-
-
-def _gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep) -> None:
-    rank, world = ws.rank, ws.world_size
-    m = shards[0].shape[0]
-    offsets, total = _slots(shards)
-    ws.ensure(total)
-    lanes = ws.lanes
-    blocks = row_blocks(m, splits)
-
-    lanes.fork()
-    with lanes.copy():
-        for t, off in zip(shards, offsets):
-            ws.get_buffer(rank, t.shape, t.dtype, off).copy_(t)
-        ws.barrier(channel=0)
-        in_step = lanes.mark() if lockstep else None
-    # lockstep: the local GEMM waits for the barrier although it needs nothing from anyone.
-    # Started early on the rank that finished its previous op first, a long GEMM holds every SM
-    # (cuBLAS GEMMs are persistent) when that rank's remote data lands, and the ranks fall out
-    # of step by a GEMM's length each call (2xH200, M 8192: 830-890 us instead of 750).
-    with lanes.compute(0):
-        lanes.wait(in_step)
-        consume(rank, 0, shards)
-    arrived = []
-    with lanes.copy():
-        for step in range(1, world):
-            src = (rank + step) % world
-            peer = [ws.get_buffer(src, t.shape, t.dtype, off) for t, off in zip(shards, offsets)]
-            for lo, hi in blocks:
-                for g, p in zip(gathered, peer):
-                    g[src * m + lo : src * m + hi].copy_(p[lo:hi])
-                arrived.append((src, lo, hi, lanes.mark()))
-        ws.barrier(channel=1)
-        for g, t in zip(gathered, shards):
-            g[rank * m : (rank + 1) * m].copy_(t)
-
-    for i, (src, lo, hi, event) in enumerate(arrived):
-        with lanes.compute(i + 1 if alternate else 0):
-            lanes.wait(event)
-            consume(src, lo, [g[src * m + lo : src * m + hi] for g in gathered])
     lanes.join()
 
 
@@ -254,22 +183,16 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
 
     # everything the side streams touch is allocated here, on the caller's stream, before the
     # fork: freeing it after the join is then ordered after every use
-    # direct (experiment): each remote partial is written by its GEMM straight into the owner's
-    # slot (stores over NVLink instead of a local write and a copy-engine push)
-    direct = os.environ.get(_RS_DIRECT_ENV) == "1"
     out = torch.empty(chunk_shape, dtype=dtype, device=ws.device)
-    partials = None if direct else torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
+    partials = torch.empty((world - 1, m, n), dtype=dtype, device=ws.device)
     one_add = world == 2 and reduce_op == "sum"  # the reduction is one addition of two parts
-    epilogue_mode = os.environ.get(_RS_EPILOGUE_ENV)
-    epilogue = fused_acc and one_add and epilogue_mode != "0"  # ... done by the GEMM onto the received partial
-    # the blocks from this one on reduce in the epilogue ("last": the exposed tail only; the
-    # others' additions go under the next GEMM and the own GEMMs do not wait for the peer)
-    first_fused = (len(blocks) - 1 if epilogue_mode == "last" else 0) if epilogue else len(blocks)
+    epilogue = fused_acc and one_add  # ... done by the GEMM onto the received partial
+    first_fused = 0 if epilogue else len(blocks)  # the blocks from this one on reduce in the epilogue
     own_partial = (torch.empty(chunk_shape, dtype=dtype, device=ws.device)
                    if (world == 2 and first_fused > 0) else None)
     # the fp32 (fp64) accumulator of any other reduction, allocated before any wait (as is
-    # everything else here; the seventh session took a 4xH200 hang in a stuck wait for an
-    # allocation's, the eleventh found a kernel's first launch: _load_reduce_kernels)
+    # everything else here): a host blocked in an allocation or a kernel's first load behind a
+    # stuck wait cannot run the watchdog's abort (4xH200; _load_reduce_kernels)
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     acc = None if one_add else torch.empty(chunk_shape, dtype=acc_dtype, device=ws.device)
     own = slot(rank, rank)
@@ -287,17 +210,11 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
-        slots_free = lanes.mark() if direct else None
-    lanes.wait(slots_free)
     # One compute stream: a block that shares the SMs with the next one finishes later, and
     # every push (and so every peer's reduction) waits for it.
     for b, (lo, hi) in enumerate(blocks):
         for step in range(1, world):
             dst = (rank + step) % world
-            if direct:
-                produce(dst, lo, hi, slot(dst, rank)[lo:hi], None)
-                ws.put_signal(dst, channel=_SIGNAL_BASE + b)  # a stream write fences the GEMM's stores
-                continue
             produce(dst, lo, hi, partials[step - 1, lo:hi], None)
             ready = lanes.mark()
             with lanes.copy():
@@ -313,7 +230,7 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
     # only the reduction waits for the peers: the own GEMM runs while their pushes are in flight
     # (and absorbs the ranks' skew) instead of after them
     # (a GEMM that could accumulate, on more than 2 ranks or reducing otherwise, reduces inline)
-    side_reduce = first_fused > 0 and (one_add or not fused_acc) and os.environ.get(_SIDE_REDUCE_ENV) != "0"
+    side_reduce = first_fused > 0 and (one_add or not fused_acc)
     for b, (lo, hi) in enumerate(blocks):
         if b >= first_fused:
             peers_landed(b)

@@ -3,13 +3,11 @@ rank's partial chunk sent while the next one is computed (row-parallel linear, f
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from asynctp.config import warn_once
 from asynctp.ops import graphs, guard
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
@@ -23,10 +21,6 @@ from asynctp.ops.tuning import plan_for
 from asynctp.symm import resolve_group
 
 __all__ = ["scaled_matmul_reduce_scatter"]
-
-# 2 ranks add the received partial in a GEMM's epilogue (experiments): "1" (or "triton") the Triton
-# GEMM of asynctp/ops/triton_scaled_mm.py, "cublaslt" cuBLASLt's with beta = 1 (asynctp/ops/cublaslt.py)
-_EPILOGUE_ENV = "ASYNCTP_FP8_EPILOGUE"
 
 
 def scaled_matmul_reduce_scatter(
@@ -93,6 +87,7 @@ def _scaled_matmul_reduce_scatter_op(
     return _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op, use_fast_accum, strategy)
 
 
+@guard.agreed("scaled_matmul_reduce_scatter")
 def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op, use_fast_accum, strategy):
     """The implementation, on validated arguments (dim normalized)."""
     world = group.size()
@@ -125,16 +120,13 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
 
-    epilogue = _epilogue_kernel(world, reduce_op, a.device, a_scale.numel() != 1 or b_scale.numel() != 1)
-
     def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
-        # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself,
-        # unless a GEMM with one does it (ASYNCTP_FP8_EPILOGUE)
+        # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself
         return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits,
-                                          fused_acc=epilogue is not None)
+                                          fused_acc=False)
 
     def body():
-        return _pipelined(reduce_scatter, ws.rank, *args(), epilogue=epilogue)
+        return _pipelined(reduce_scatter, ws.rank, *args())
 
     key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
            tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
@@ -162,14 +154,10 @@ def _pipelined(
     reduce_op: str,
     bias: torch.Tensor | None,
     use_fast_accum: bool,
-    epilogue: str | None = None,
 ) -> torch.Tensor:
     """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
     the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1]).
-    produce gets a partial to add (acc) only where reduce_scatter was told the GEMM can
-    accumulate (fused_acc: ASYNCTP_FP8_EPILOGUE); the GEMM named by `epilogue` ("triton": the
-    Triton GEMM of asynctp/ops/triton_scaled_mm.py, "cublaslt": cuBLASLt with beta = 1) then
-    adds it in its epilogue, one rounding."""
+    produce never gets a partial to add (fused_acc=False): the pipeline reduces after the GEMM."""
     chunk_shape = lay.chunk_shape(b.shape[1])
     n = chunk_shape[1]
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
@@ -187,78 +175,26 @@ def _pipelined(
         # an expanded tensorwise scale has equal rows: its first ones serve any block
         return a_fixed[: row_hi - row_lo] if any_rowwise else a_fixed
 
-    def gemm(a_rows, b_cols, a_s, b_s, out, addend):
-        if addend is None:
-            return scaled_mm(a_rows, b_cols, a_s, b_s, out_dtype, use_fast_accum=use_fast_accum, out=out)
-        if epilogue == "cublaslt":
-            from asynctp.ops.cublaslt import scaled_mm_lt
+    def gemm(a_rows, b_cols, a_s, b_s, out):
+        return scaled_mm(a_rows, b_cols, a_s, b_s, out_dtype, use_fast_accum=use_fast_accum, out=out)
 
-            return scaled_mm_lt(a_rows, b_cols, a_s, b_s, addend, out, fast_accum=use_fast_accum)
-        from asynctp.ops.triton_scaled_mm import default_config, scaled_mm_add
-
-        cfg = default_config(*a_rows.shape, b_cols.shape[1])
-        if use_fast_accum:
-            cfg["PROMOTE_K"] = None  # the tensor cores' own accumulation, as cuBLAS's fast accumulation
-        return scaled_mm_add(a_rows, b_cols, a_s, b_s, addend, out, config=cfg)
-
-    def partial(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-        """out = this rank's partial for rows lo:hi of dst's chunk (+ acc: the Triton GEMM)."""
+    def partial(dst: int, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """out = this rank's partial for rows lo:hi of dst's chunk."""
         if lay.n_mode:
             cols = slice(dst * n, (dst + 1) * n)
             b_s = aligned(b_scale[:, cols]) if b_scale.numel() != 1 else b_scale
-            return gemm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out, acc)
+            return gemm(lay.a_2d[lo:hi], b[:, cols], a_rows_scale(lo, hi), b_s, out)
         # one run of a's rows, or one per leading index (batch-major)
         for off, row, count in lay.a_runs(dst, lo, hi):
-            gemm(lay.a_2d[row : row + count], b, a_rows_scale(row, row + count), b_scale, out[off : off + count],
-                 None if acc is None else acc[off : off + count])
+            gemm(lay.a_2d[row : row + count], b, a_rows_scale(row, row + count), b_scale, out[off : off + count])
         return out
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
-        partial(dst, lo, hi, out, acc)
+        assert acc is None, "the fp8 pipeline reduces after the GEMM (fused_acc=False)"
+        partial(dst, lo, hi, out)
 
     out = reduce_scatter(produce, chunk_shape)
     if bias is not None:
         out.add_(bias_chunk(lay, bias, rank))
     return lay.restore(out)
 
-
-def _epilogue_kernel(world: int, reduce_op: str, device: torch.device, vector_scales: bool = False) -> str | None:
-    """Which GEMM adds the received partial in its epilogue on 2 ranks' own blocks: None (the
-    default: _scaled_mm, then a separate addition), "triton" (ASYNCTP_FP8_EPILOGUE=1 or triton:
-    benchmarks/probe_fp8_epilogue.py measured the kernel slower than the default on 2xH200,
-    triton_scaled_mm's docstring; the GPU fp8 reduce-scatter tests pass with it) or "cublaslt"
-    (ASYNCTP_FP8_EPILOGUE=cublaslt: cuBLASLt with beta = 1, asynctp/ops/cublaslt.py; tensorwise
-    only on sm_90, whose cuBLASLt refuses rowwise scales; vector_scales: either scale is a
-    vector). Where one is asked for and cannot be used, a warning says why, once, and the
-    default runs. The Triton kernel is compiled and loaded at its first launch, which comes after the wait for the peer's partial (a peer stuck
-    at that very call blocks the host there, as the reduction's kernels did before
-    pipeline._load_reduce_kernels)."""
-    raw = os.environ.get(_EPILOGUE_ENV, "")
-    if raw in ("", "0"):
-        return None
-    kind = {"1": "triton", "triton": "triton", "cublaslt": "cublaslt"}.get(raw)
-    why = None
-    if kind is None:
-        why = f"it takes 1, triton or cublaslt, got {raw!r}"
-    elif world != 2 or reduce_op != "sum":
-        why = f"it applies to 2 ranks summing, got {world} ranks, reduce_op {reduce_op!r}"
-    elif kind == "cublaslt":
-        if device.type != "cuda":
-            why = f"cublaslt needs a CUDA device, got {device.type}"
-        else:
-            from asynctp.ops.cublaslt import supports
-
-            why = supports(vector_scales, device.index if device.index is not None else torch.cuda.current_device())
-            if why is not None and vector_scales:
-                why = f"rowwise or per-column scales: {why}"
-    elif device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        why = f"it needs a CUDA device (or TRITON_INTERPRET=1), got {device.type}"
-    else:
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            why = f"triton is not importable ({exc})"
-    if why is not None:
-        warn_once(f"fp8-epilogue:{why}", f"asynctp scaled_matmul_reduce_scatter: {_EPILOGUE_ENV}={raw} ignored: {why}")
-        return None
-    return kind

@@ -9,22 +9,22 @@ what overlap can hide, so serial wins.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from asynctp.ops.pipeline import gather_mode
-
-__all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays"]
+__all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays", "forced_splits"]
 
 _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
-_SPLITS_ENV = "ASYNCTP_SPLITS"  # force the row blocks per rank chunk (experiments)
-_LOCKSTEP_ENV = "ASYNCTP_LOCKSTEP"  # force the all-gather's lockstep on (1) or off (0) (experiments)
+_MAX_SPLITS = 8  # the signal channels of the blocks must fit the workspace's flags
+_forced: int | None = None  # row blocks per rank chunk set by forced_splits (tests of multi-block plans)
 # Total matmul FLOPs under which a pipeline is not assumed to pay, without a tuning entry. On
-# 2xH200 with eager calls replayed from CUDA graphs (ops/graphs.py; fourth session) the pipeline
+# 2xH200 with eager calls replayed from CUDA graphs (ops/graphs.py) the pipeline
 # beat serial at every seed shape from M 2048 (N 3584, K 8192), bf16 and fp8; before those
 # graphs, eager calls were host-bound and fp8 lost everywhere.
 _MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
@@ -124,29 +124,32 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
     reduce-scatter with 2 ranks the push of one block overlaps the GEMM of the next. Lockstep
     (all-gather): the local GEMM waits for the opening barrier, so a rank that finished its
     previous op early does not start a persistent GEMM that then holds the SMs when its remote
-    data lands. Measured on 2xH200 with benchmarks/probe_pipeline.py (bf16, N 3584, K 8192):
-    lockstep 750 us vs 830-890 at M 8192, 230-240 vs 180-190 at M 2048, even at M 4096; two
-    blocks best for reduce-scatter from 2048 rows per rank, for the pull all-gather at 2048 rows.
-    The push all-gather (sixth session, benchmarks/probe_pipeline_plans.py, bf16 and fp8 rowwise
-    and tensorwise, M 4096 and 8192): one block best at both sizes (bf16 M 4096 356 vs 374 us with
-    two, fp8 rowwise M 8192 373 vs 402); lockstep equal or better. 4xH200, M 8192 (2048 rows per
-    rank): one block best for the push all-gather too (bf16 725 vs 780 us), two for the
-    reduce-scatter (bf16 838 vs 866, fp8 rowwise 591 vs 629).
+    data lands. Measured on 2xH200 (bf16, N 3584, K 8192): lockstep 750 us vs 830-890 at M 8192;
+    two blocks best for the reduce-scatter from 2048 rows per rank; one block best for the push
+    all-gather at M 4096 and 8192 (bf16 M 4096 356 vs 374 us with two, fp8 rowwise M 8192 373
+    vs 402). 4xH200, M 8192: one block for the all-gather (bf16 725 vs 780 us), two for the
+    reduce-scatter (bf16 838 vs 866, fp8 rowwise 591 vs 629). docs/performance.md has the tables.
     """
-    forced = os.environ.get(_SPLITS_ENV)
     _, m_total, _, _ = shape_key
     rows = m_total // world_size
     lockstep = op == "all_gather_matmul" and rows >= 2048
-    forced_lockstep = os.environ.get(_LOCKSTEP_ENV, "")
-    if forced_lockstep:
-        if forced_lockstep not in ("0", "1"):
-            raise ValueError(f"{_LOCKSTEP_ENV} requires 0 or 1, got {forced_lockstep!r}")
-        lockstep = forced_lockstep == "1"
-    if forced:  # at most 8: the signal channels of the blocks must fit the workspace's flags
-        return max(1, min(8, int(forced))), lockstep
+    if _forced is not None:
+        return _forced, lockstep
     if op == "all_gather_matmul":
-        if world_size != 2 or gather_mode() == "push":
-            return 1, lockstep
-        return (2 if rows == 2048 else 1), lockstep
+        return 1, lockstep
     return (2 if rows >= 2048 else 1), lockstep
+
+
+@contextlib.contextmanager
+def forced_splits(splits: int) -> Iterator[None]:
+    """Within the block, every pipelined call cuts each rank chunk into `splits` row blocks
+    (tests: multi-block plans must give the same exact results as the default's)."""
+    global _forced
+    if not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"forced_splits requires 1 to {_MAX_SPLITS} row blocks, got {splits}")
+    before, _forced = _forced, splits
+    try:
+        yield
+    finally:
+        _forced = before
 

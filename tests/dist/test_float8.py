@@ -28,15 +28,12 @@ def test_scaled_matmul_reduce_scatter(pool, strategy):
 
 
 @needs_cpu_rowwise
-@pytest.mark.parametrize("env", [{"ASYNCTP_GATHER": "pull"}, {"ASYNCTP_SPLITS": "3", "ASYNCTP_SIDE_REDUCE": "0"},
-                                 {"ASYNCTP_SPLITS": "3", "ASYNCTP_RS_DIRECT": "1"},
-                                 {"ASYNCTP_SPLITS": "3", "ASYNCTP_BATCH_MAJOR": "1"}],
-                         ids=["pull", "3-blocks-inline-reduce", "3-blocks-rs-direct", "3-blocks-batch-major"])
+@pytest.mark.parametrize("env", [{"splits": 3}, {"splits": 3, "ASYNCTP_BATCH_MAJOR": "1"}],
+                         ids=["3-blocks", "3-blocks-batch-major"])
 def test_pipeline_plans_match_reference(pool, env):
-    """The other gather mode, several row blocks, the inline reduction, the reduce-scatter's
-    batch-major row order: exact as the default."""
+    """Several row blocks, the reduce-scatter's batch-major row order: exact as the default."""
     assert pool.run(under_env, env, cases.all_gather_scaled_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
-    if "ASYNCTP_SPLITS" in env:
+    if "splits" in env:
         assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
 
 

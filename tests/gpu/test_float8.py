@@ -8,7 +8,6 @@ import re
 import pytest
 
 from tests import cases_float8 as cases
-from tests.cases import under_env
 
 DEVICE = "cuda"
 NUM_GRID_CASES = 4 * 7 * 2  # scale pairings x (ndim, dim) x out dtypes
@@ -61,21 +60,3 @@ def test_cuda_graph_capture_after_reserve(pool):
 
 def test_quantize_kernels_match_torch_bit_for_bit(pool):
     assert min(pool.run(cases.quantize_kernels_exact, DEVICE)) > 1000
-
-
-def test_cublaslt_gemm_matches_fp32_math(pool):
-    """asynctp.ops.cublaslt (ctypes cuBLASLt, beta = 1): every rank on its own GPU."""
-    counts = pool.run(cases.cublaslt_matches_fp32_math, DEVICE)
-    # 3 shapes x 2 out dtypes x 5 variants, per scale mode cuBLASLt has here (tensorwise: all GPUs)
-    assert counts[0] in (3 * 2 * 5, 3 * 3 * 2 * 5), counts
-
-
-@pytest.mark.parametrize("splits", ["1", "3"])
-def test_cublaslt_epilogue_reduce_scatter_matches_reference(pool, splits):
-    """ASYNCTP_FP8_EPILOGUE=cublaslt (an experiment): on 2 ranks the own blocks add the received
-    partial in cuBLASLt's epilogue: the exact grid, and the op really called it."""
-    if pool.world_size != 2:
-        pytest.skip("the epilogue applies to 2 ranks")
-    env = {"ASYNCTP_FP8_EPILOGUE": "cublaslt", "ASYNCTP_SPLITS": splits}
-    assert pool.run(under_env, env, cases.scaled_matmul_reduce_scatter_grid, DEVICE, "pipeline")[0] == NUM_GRID_CASES
-    assert all(pool.run(under_env, env, cases.fp8_epilogue_used, DEVICE, "cublaslt"))

@@ -96,8 +96,6 @@ def test_doctor_names_how_fp8_is_quantized(monkeypatch):
     from asynctp.doctor import _fp8_quantization_line
 
     assert _fp8_quantization_line(0) == "fp8 quantization: torch ops (CPU)"
-    monkeypatch.setenv("ASYNCTP_FP8_KERNELS", "0")
-    assert "ASYNCTP_FP8_KERNELS=0" in _fp8_quantization_line(2)
 
 
 def test_compile_subpackage_loads_on_first_use():
