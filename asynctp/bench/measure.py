@@ -30,7 +30,7 @@ from asynctp.bench.cases import CASES, OpCase, Problem
 from asynctp.bench.report import AUTO, AUTO_GRAPH, AUTO_PAIRED, COMM, COMPUTE, SERIAL, SERIAL_PAIRED, TORCH, TORCH_GRAPH
 from asynctp.bench.shapes import Shape, shapes_for
 from asynctp.symm.rendezvous import exchange
-from asynctp.bench.timing import capture_graph, paired_us, synchronize, time_us
+from asynctp.bench.timing import capture_graph, isolated_us, paired_us, synchronize, time_us
 from asynctp.ops import graphs
 
 __all__ = ["BenchConfig", "DTYPES", "pipelined_strategies", "variant", "environment", "measure_shape", "run_benchmark"]
@@ -142,6 +142,8 @@ class _Row:
     def __init__(self, problem: Problem, cfg: BenchConfig, group: dist.ProcessGroup, device: torch.device):
         self.problem, self.cfg, self.group, self.device = problem, cfg, group, device
         self.times: dict[str, float] = {}
+        self.isolated: dict[str, float] = {}  # isolated calls (GPU idle at each call's start)
+        self.host: dict[str, float] = {}  # host time per isolated call
         self.skipped: dict[str, str] = {}
 
     def say(self, what: str) -> None:
@@ -150,9 +152,12 @@ class _Row:
             print(f"  {what}", file=sys.stderr, flush=True)
 
     def time(self, key: str, fn: Callable[[], Any]) -> None:
-        """times[key] = the slowest rank's median of fn, in microseconds."""
+        """times[key] = the slowest rank's median of fn back to back, in microseconds; isolated[key]
+        and host[key]: the same for calls that each start on an idle GPU (timing.isolated_us)."""
         self.say(f"timing {key}")
         self.times[key] = round(time_us(fn, self.cfg.iters, self.cfg.warmup, self.group, self.device), 2)
+        iso, host = isolated_us(fn, max(5, self.cfg.iters // 4), self.group, self.device)
+        self.isolated[key], self.host[key] = round(iso, 2), round(host, 2)
 
     def time_paired(self, key_a: str, key_b: str, fa: Callable[[], Any], fb: Callable[[], Any]) -> None:
         """times[key_a], times[key_b] from alternating rounds (see timing.paired_us)."""
@@ -288,6 +293,7 @@ def measure_shape(
     # a variant that could not run is there too, as None (its reason under "skipped")
     out["times_us"] = {**row.times, **{k: None for k in row.skipped if k not in row.times}}
     out["skipped"] = row.skipped
+    out["isolated_us"], out["host_us"] = row.isolated, row.host
     report.derive(out)
     return out
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "capture_graph"]
+__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "capture_graph"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -75,6 +75,34 @@ def time_us(
     align_ranks(group, device)
     local = median_us(fn, iters, warmup, device)
     return max_over_ranks(local, group, device)
+
+
+def isolated_us(
+    fn: Callable[[], Any], iters: int, group: dist.ProcessGroup, device: torch.device
+) -> tuple[float, float]:
+    """(device time, host time) of isolated calls, the slowest rank's medians in microseconds:
+    before each call the ranks line up with an idle GPU (a step whose host does not run ahead),
+    so every launch latency and host cost before the GPU starts counts. Host time: how long
+    the call took to return (queueing only, no sync)."""
+    device_us, host_us = [], []
+    for _ in range(max(1, iters)):
+        align_ranks(group, device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            fn()
+            end.record()
+            host_us.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize(device)
+            device_us.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            host_us.append((time.perf_counter() - t0) * 1e6)
+            device_us.append(host_us[-1])
+    return (max_over_ranks(statistics.median(device_us), group, device),
+            max_over_ranks(statistics.median(host_us), group, device))
 
 
 def paired_us(

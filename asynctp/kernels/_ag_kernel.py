@@ -137,7 +137,7 @@ def _a_descriptor(a: torch.Tensor, a_local: torch.Tensor | None, bm: int, bk: in
     allocations: index 0 is the lower address, index 1 the other, one stride apart."""
     k = a.shape[1]
     if a_local is None:
-        return TensorDescriptor(a, list(a.shape), [k, 1], [bm, bk]), 0
+        return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk]), 0
     lo, hi = (a, a_local) if a.data_ptr() <= a_local.data_ptr() else (a_local, a)
     gap = hi.data_ptr() - lo.data_ptr()
     stride = gap // a.element_size()
@@ -160,7 +160,7 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     if a_local is not None and not (aligned and local_descriptor_ok(a, a_local)):
         raise ValueError("async_input_mm: the local rows need aligned chunks and a TMA-addressable gap")
     a_desc, ws_index = _a_descriptor(a, a_local, bm, bk)
-    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [k, 1] if b_trans else
+    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
                               [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
     c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
     g_desc = TensorDescriptor(gathered, [m_total, k], [k, 1], [bm, bk]) if gathered is not None else c_desc

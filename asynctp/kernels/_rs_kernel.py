@@ -94,11 +94,11 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     br = m // blocks
     if br % bm:
         raise ValueError(f"producer_mm requires blocks of a multiple of {bm} rows, got {br}")
-    b_trans = b.stride(0) == 1 and b.stride(1) == k
+    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t()
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(b.t() if b_trans else b, [n, k] if b_trans else [k, n], [k, 1] if b_trans else
+    b_desc = TensorDescriptor(b.t() if b_trans else b, [n, k] if b_trans else [k, n], [b.stride(1), 1] if b_trans else
                               [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
     recv_desc = TensorDescriptor(received, [world, m, n], [m * n, n, 1], [1, bm, bn])
     num_items = items.numel() // 3
@@ -112,6 +112,7 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
         n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
         A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
-        AVG=reduce_op == "avg", FLATTEN=cfg.flatten, num_warps=cfg.warps, num_stages=cfg.stages,
+        AVG=reduce_op == "avg", FLATTEN=False,  # the reduction loops defeat Triton's loop fusion
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return tiles

@@ -103,9 +103,26 @@ def async_input_mm(
     if a.device.type != "cuda":
         return _reference(a, b, n, a_chunk_pivot, out, a_scale, b_scale, bias)
     chunk_rows = m // n
-    launch(a, b, out, a_chunk_signals.view(-1), (n, 1, 0), chunk_rows, a_chunk_pivot, ChunkMap(),
-           a_scale=a_scale, b_scale=b_scale, bias=bias, config=config)
+    target = tma_ready(out)
+    launch(tma_ready(a), tma_ready(b), target, a_chunk_signals.view(-1), (n, 1, 0), chunk_rows, a_chunk_pivot,
+           ChunkMap(), a_scale=a_scale, b_scale=b_scale, bias=bias, config=config)
+    if target is not out:
+        out.copy_(target)
     return out
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it whose rows start 16-byte aligned (TMA's rule; the copy's row pitch is
+    padded): ragged widths such as N = 300 in bf16 need it. Keeps weight.t() column-major."""
+    if t.stride(0) == 1 and t.ndim == 2 and t.shape[1] > 1:  # weight.t(): align the weight
+        return tma_ready(t.t()).t()
+    pitch_ok = (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
+    if pitch_ok and t.data_ptr() % 16 == 0:
+        return t
+    per_row = 16 // t.element_size()
+    cols = -(-t.shape[1] // per_row) * per_row
+    padded = t.new_empty((t.shape[0], cols))[:, : t.shape[1]]
+    return padded.copy_(t)
 
 
 def _reference(a, b, n, pivot, out, a_scale, b_scale, bias) -> torch.Tensor:
@@ -158,7 +175,7 @@ def launch(
         m_total = n * chunk_rows
     nn_ = b.shape[1]
     cfg = config or pick_config(a.dtype, m_total, nn_, k, chunk_rows)
-    b_trans = b.stride(0) == 1 and b.stride(1) == k  # nn.Linear's weight.t(): [N, K] row-major underneath
+    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): [N, K] row-major underneath
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
     kern.launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap,

@@ -1,0 +1,220 @@
+"""The single-launch GPU path of the fused ops: copy-engine pushes and stream-written signals
+on the copy stream, ONE persistent GEMM on the caller's stream that waits per chunk on the GPU.
+
+all-gather -> matmul, rank r of R (chunk = one rank's rows, or one batch-major run of them):
+    copy stream:  barrier(0) | push the shard into slot r of r-1, r-2, ... (copy engine),
+                  then put_signal(that peer, chunk)
+    caller:       async_input_mm over the workspace rows, pivot = r's own chunk (read from the
+                  caller's shard, no staging copy), then r+1, r+2, ... as their flags arrive;
+                  it also stores the gathered rows when the caller keeps them; the kernel resets
+                  the flags. Further weights of the same gather: the same GEMM without waits.
+matmul -> reduce-scatter, rank r:
+    caller:       producer GEMM: the peers' blocks first (r+1, r+2, ...), then the own chunk,
+                  whose epilogue waits for the peers' pushed partials and adds them (fp32, one
+                  rounding, bias and avg there too)
+    copy stream:  barrier(0) | for each peer block: wait for its tile counter (a stream memory
+                  operation), push it into slot r of its owner, put_signal(owner, block)
+Nothing a spinning GEMM waits for needs an SM (copy engines, stream memory operations), so the
+GEMM may hold every SM. Both use the workspace as the decomposition does (see symm/workspace.py's
+contract): slots by source rank from offset 0, the opening barrier, every push matched by a wait.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asynctp.kernels.async_input_mm import ChunkMap, launch
+from asynctp.kernels.configs import pick_config
+from asynctp.kernels.producer_mm import launch_producer
+from asynctp.kernels.triton_util import RawPointer, triton_available
+
+__all__ = ["gather_available", "gather_matmul", "scatter_available", "matmul_scatter"]
+
+_SIGNAL_BASE = 2  # signal channels after the two barrier channels (as the decomposition's)
+_MAX_BLOCKS = 8  # signal channels the kernel path uses at most
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _ready(ws, dtype: torch.dtype) -> str | None:
+    if ws.device.type != "cuda":
+        return "the single-launch GEMM runs on CUDA"
+    if dtype not in _DTYPES:
+        return f"the single-launch GEMM takes bf16, fp16 or fp8 operands, got {dtype}"  # fp32 would run as tf32
+    if not triton_available():
+        return "Triton is not installed"
+    if torch.cuda.get_device_capability(ws.device) < (9, 0):
+        return "the single-launch GEMM needs TMA (sm_90 or newer)"
+    if not ws.uses_stream_ops():
+        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
+    return None
+
+
+def _watch(ws, what: str, flags: torch.Tensor, value: int = 1) -> None:
+    """Tell the workspace's watchdog that the GPU now waits on `flags` (a timeout names the op,
+    the rank and what was awaited, then sets every awaited flag and aborts the context)."""
+    ws._watch(what, None, ws._timeout(None))
+    for i in range(flags.numel()):
+        ws._awaited[flags.data_ptr() + 4 * i] = value
+
+
+def _wait_counter(ws, counter: torch.Tensor, value: int, what: str) -> None:
+    """The current stream waits until `counter` (int32 on this device) equals `value`, then
+    zeroes it: stream memory operations, no SM."""
+    _watch(ws, what, counter, value)
+    stream = torch._C._cuda_getCurrentRawStream(ws.device.index)
+    ws._ops.wait(stream, counter.data_ptr(), value)
+    ws._ops.write(stream, counter.data_ptr(), 0)
+
+
+def _counter(ws, n: int) -> torch.Tensor:
+    """Zeroed int32 counters of this workspace's kernels (the kernels leave them zeroed)."""
+    key = (ws.group_name, ws.device, n)
+    t = _counters.get(key)
+    if t is None:
+        t = _counters[key] = torch.zeros(n, dtype=torch.int32, device=ws.device)
+    return t
+
+
+def reset(group_name: str) -> None:
+    """Zero the counters of a group (after a kernel was aborted mid-way)."""
+    for key, t in _counters.items():
+        if key[0] == group_name:
+            t.zero_()
+
+
+def _blocks(m: int, segment: int) -> tuple[int, int]:
+    """(blocks per rank, rows per block): one block per batch-major run, else one per rank."""
+    if segment:
+        return m // segment, segment
+    return 1, m
+
+
+def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_min: int) -> str | None:
+    """None where gather_matmul serves this call, else why not (the decomposition does)."""
+    why = _ready(ws, shard_2d.dtype)
+    if why:
+        return why
+    if k_mode:
+        return "gathering along K is accumulated per block"
+    m, k = shard_2d.shape
+    blocks, rows = _blocks(m, segment)
+    if blocks > _MAX_BLOCKS:
+        return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
+    cfg = pick_config(shard_2d.dtype, m * ws.world_size, n_min, k, rows)
+    if rows % cfg.block_m:
+        return f"runs of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
+    if (k * shard_2d.element_size()) % 16 or n_min * 2 % 16:
+        return "rows must be 16-byte aligned for TMA"
+    return None
+
+
+def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,
+                  keep_gathered: bool, a_scale: torch.Tensor | None = None, scale_rows: torch.Tensor | None = None,
+                  b_scales: list | None = None, out_dtype: torch.dtype | None = None):
+    """(gathered rows [R * m, K] or None, outputs [R * m, N_i]), both in the caller's row order
+    (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment). fp8:
+    a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows)."""
+    world, rank = ws.world_size, ws.rank
+    m, k = shard_2d.shape
+    dtype = shard_2d.dtype
+    blocks, rows = _blocks(m, segment)
+    slot = m * k * shard_2d.element_size()
+    scale_off = -(-world * slot // 256) * 256
+    ws.ensure(scale_off + (world * m * 4 if scale_rows is not None else 0))
+    all_rows = ws.get_buffer(rank, (world * m, k), dtype, 0)
+    all_scales = ws.get_buffer(rank, (world * m,), torch.float32, scale_off) if scale_rows is not None else None
+    flags = ws.signal_flags(_SIGNAL_BASE, blocks)
+    counters = _counter(ws, world * blocks)
+    out_dtype = out_dtype or dtype
+    outs = [shard_2d.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
+    gathered = shard_2d.new_empty((world * m, k)) if keep_gathered else None
+    cmap = ChunkMap(blocks=blocks, local_src=rank, out_src=segment or None, out_blk=world * segment or None)
+    lanes = ws.lanes
+    lanes.fork()
+    with lanes.copy():
+        ws.barrier(channel=0)
+        for step in range(1, world):
+            dst = (rank - step) % world  # rank r+1's rows reach r first: its GEMM's second chunk
+            theirs = ws.get_buffer(dst, (m, k), dtype, rank * slot)
+            their_scales = (ws.get_buffer(dst, (m,), torch.float32, scale_off + rank * m * 4)
+                            if scale_rows is not None else None)
+            for j in range(blocks):
+                lo, hi = j * rows, (j + 1) * rows
+                theirs[lo:hi].copy_(shard_2d[lo:hi])
+                if their_scales is not None:
+                    their_scales[lo:hi].copy_(scale_rows[lo:hi])
+                ws.put_signal(dst, channel=_SIGNAL_BASE + j)
+    _watch(ws, f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    scales = b_scales or [None] * len(bs)
+    sig = (world * blocks, 1, world)
+    a_scale_ws = all_scales if scale_rows is not None else a_scale
+    for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
+        first = i == 0
+        launch(all_rows, b, outs[i], flags if first else None, sig, rows, rank * blocks, cmap, a_local=shard_2d,
+               gathered=gathered if first else None, counters=counters if first else None, a_scale=a_scale_ws,
+               a_scale_local=scale_rows, b_scale=b_scale, bias=bias)
+    lanes.join()
+    return gathered, outs
+
+
+def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool) -> str | None:
+    """None where matmul_scatter serves this call, else why not."""
+    why = _ready(ws, a_2d.dtype)
+    if why:
+        return why
+    if n_mode:
+        return "scattering along N is a column split"
+    m = a_2d.shape[0] // ws.world_size
+    blocks, rows = _blocks(m, segment)
+    if not segment:
+        blocks, rows = (2, m // 2) if m % 256 == 0 else (1, m)
+    if blocks > _MAX_BLOCKS:
+        return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
+    cfg = pick_config(a_2d.dtype, a_2d.shape[0], n, a_2d.shape[1], rows)
+    if rows % cfg.block_m:
+        return f"blocks of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
+    if (a_2d.shape[1] * a_2d.element_size()) % 16 or (n * 2) % 16 or a_2d.stride(1) != 1:
+        return "rows must be 16-byte aligned for TMA"
+    return None
+
+
+def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None, *,
+                   segment: int = 0, a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's reduced chunk [m, N] of a_2d @ b (rows in the chunk's order)."""
+    world, rank = ws.world_size, ws.rank
+    m = a_2d.shape[0] // world
+    n = b.shape[1]
+    blocks, rows = _blocks(m, segment)
+    if not segment:
+        blocks, rows = (2, m // 2) if m % 256 == 0 else (1, m)
+    a_strides = (segment, world * segment) if segment else (m, rows)
+    out_dtype = out_dtype or a_2d.dtype
+    chunk = m * n * out_dtype.itemsize
+    ws.ensure(world * chunk)
+    received = ws.get_buffer(rank, (world, m, n), out_dtype, 0)
+    flags = ws.signal_flags(_SIGNAL_BASE, blocks)
+    counters = _counter(ws, world * blocks + blocks)
+    out = a_2d.new_empty((m, n), dtype=out_dtype)
+    partials = a_2d.new_empty((max(1, world - 1), m, n), dtype=out_dtype)
+    lanes = ws.lanes
+    lanes.fork()
+    with lanes.copy():
+        ws.barrier(channel=0)
+    _watch(ws, f"the partials of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    tiles, _ = launch_producer(a_2d, b, partials, received, out, rank, world, blocks, a_strides,
+                               RawPointer(flags.data_ptr()), (1, world), counters, reduce_op=reduce_op,
+                               a_scale=a_scale, b_scale=b_scale, bias=bias)
+    with lanes.copy():
+        for j in range(blocks):
+            for step in range(1, world):
+                dst = (rank + step) % world
+                _wait_counter(ws, counters[dst * blocks + j], tiles, f"the GEMM's tiles of rank {dst}'s block {j}")
+                ws.get_buffer(dst, (m, n), out_dtype, rank * chunk)[j * rows : (j + 1) * rows].copy_(
+                    partials[step - 1, j * rows : (j + 1) * rows])
+                ws.put_signal(dst, channel=_SIGNAL_BASE + j)
+    lanes.join()
+    return out
