@@ -1,7 +1,7 @@
 """CUDA stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32) through ctypes.
 
 Why: torch's symmetric-memory barrier and signal calls are kernels. Measured on 2xH200 (torch
-2.11, benchmarks/probe_host.py), inside a pipelined call each of those launches blocked the host
+2.11; docs/performance.md), inside a pipelined call each of those launches blocked the host
 for 300-650 us, so a call's host time equalled its device time (616 vs 608 us for the fp8
 all-gather at M 4096, whose CUDA-graphed replay takes 213 us). A stream memory operation is
 executed by the GPU's front end: the write needs no SM, the wait holds no SM (a spinning wait
@@ -20,7 +20,7 @@ one channel do not (a fast peer's second set can land before the first reset and
 A stream wait has no timeout of its own: asynctp's watchdog (watchdog.py) enforces it, naming
 the wait and then aborting the CUDA context with a device-side assert, as torch's signal kernels
 trap on theirs. Capturing these operations into a CUDA graph and replaying them, interleaved
-with eager rounds, was checked on 2xH200 (benchmarks/probe_capture.py).
+with eager rounds, was checked on 2xH200 (2000 rounds).
 """
 
 from __future__ import annotations
