@@ -88,8 +88,8 @@ def matmul_sum_reduce_scatter(
     vanilla TP's separate linears round each product and each sum of the input gradients).
     Why: the column-parallel linear's dgrad for weights sharing one gather (QKV, w1 + w3)
     concatenated both the output gradients and the weights every backward (2xH200, 8B-shaped
-    block, batch 1: 0.9 ms of copies a step); the step time did not measurably change (A/B,
-    fifteenth session, benchmarks/results/NOTES.md). The a's share every dim but the last; the
+    block, batch 1: 0.9 ms of copies a step); the step time did not measurably change (A/B on
+    one machine, docs/performance.md). The a's share every dim but the last; the
     b's are [K_i, N] with one N. Callers under torch.compile concatenate instead (inductor fuses
     the concatenation into its producers); under autograd or tracing this function does too.
     """
