@@ -1,9 +1,10 @@
-"""Developer probe (one GPU): does scaled_dot_product_attention's backward depend on the strides of
-its output gradient? The gradient reaching the demo model's attention from asynctp's row-parallel
-dgrad was once [B, S, H * Dh] with the batch stride smaller than the sequence stride (a view of
-[S, B, N] rows); at batch 2 in bf16 the attention weights' gradients came out wrong. This runs the
-backward of one causal attention with a contiguous output gradient and with the same values in
-that strided layout, per SDPA backend, and prints the largest difference of dq / dk / dv.
+"""Reproduction (one GPU): scaled_dot_product_attention's backward given an output gradient
+[B, S, H * Dh] whose batch stride is smaller than its sequence stride (a view of [S, B, N] rows,
+what a sequence gather returns before it is made contiguous). On H200 (torch 2.11, cuDNN 9.19)
+cuDNN's bf16 backward returns wrong gradients for it; this is why asynctp's ops return contiguous
+outputs. Runs the backward of one causal attention with a contiguous output gradient and with the
+same values in that strided layout, per SDPA backend, and prints the largest difference of
+dq / dk / dv.
 
     python benchmarks/probe_sdpa_strides.py OUT_DIR
 """

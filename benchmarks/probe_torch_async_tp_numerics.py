@@ -1,9 +1,9 @@
-"""Developer probe: does torch's own async-TP pass (inductor's micro-pipeline TP) compute what the
-unfused graph computes, at batch 1 and batch 2, sequence-sharded (gather / scatter dim 1)?
+"""Reproduction (>= 2 GPUs): does torch's own async-TP pass (inductor's micro-pipeline TP) compute
+what the unfused graph computes, at batch 1 and batch 2, sequence-sharded (gather / scatter dim 1)?
 
-Why: in the demo, vanilla TP compiled with torch's pass ended 30 steps at batch 2 with a loss
-2.6% above vanilla's (tenth, eleventh and thirteenth sessions), while asynctp's stayed within
-3e-4; at batch 1 all agree. Checks on >= 2 GPUs (PROBE_PARTS picks; default 1-3):
+Why: in the demo on 2xH200 (torch 2.11), vanilla TP compiled with torch's pass ends 30 steps at
+batch 2 with a loss 2.6% above vanilla's, while asynctp's stays within 3e-4; at batch 1 all
+agree (docs/performance.md). Checks (PROBE_PARTS picks; default 1-3):
 
 1. ops, exact: all_gather(dim 1) -> matmul and matmul -> reduce_scatter(dim 1) on small-integer
    bf16 inputs (every dot product exact in fp32, so any correct schedule gives identical bits),
@@ -268,8 +268,8 @@ def ablation_checks(pg, rank, world):
     cases = (("as is", base, rope, True), ("no RoPE", base, lambda x, tables: x, True),
              ("no GQA", dataclasses.replace(base, num_kv_heads=base.num_heads), rope, True),
              ("RoPE as in eager (complex)", base, demo_model.rope_complex, True),  # under compile too
-             # the seventh session's cuDNN finding: its bf16 attention backward returned wrong
-             # gradients for an output gradient whose batch stride is below its sequence stride
+             # cuDNN's bf16 attention backward returns wrong gradients for an output gradient
+             # whose batch stride is below its sequence stride (benchmarks/probe_sdpa_strides.py)
              ("cuDNN attention off", base, rope, False))
     only = os.environ.get("PROBE_CASES")
     cases = [c for c in cases if only is None or c[0] in only.split(",")]

@@ -201,7 +201,7 @@ def demo_model_grads_match(device: str, size: str = "tiny", batch: int = 4, num_
     and backward compiled with asynctp's pass against compiled without it. Returns the largest
     relative difference per parameter (max |diff| / max |ref|), the loss difference and the
     fusion report's counts. torch 2.11's own pass gets exactly this wrong at batch 2 (gradients
-    off by 0.5-3.4x their magnitude below the second layer's attention; fourteenth session,
+    off by 0.5-3.4x their magnitude below the second layer's attention, 2xH200;
     benchmarks/probe_torch_async_tp_numerics.py): ours must stay at rounding."""
     import dataclasses
 

@@ -2,8 +2,8 @@
 
 cuBLAS's large GEMMs on Hopper are persistent: one block per SM, resident until the GEMM ends.
 Any kernel queued behind one on another stream (NCCL's send/recv kernels of the ring; torch's
-barrier and signal kernels where those are used: graph capture, ASYNCTP_SIGNALS=torch) waits for the whole GEMM, and the overlap that the pipeline was
-built for does not happen. While a pipelined call issues its matmuls, asynctp asks cuBLAS(Lt)
+barrier and signal kernels where those are used: inside a caller's graph capture) waits for the
+whole GEMM, and the overlap that the pipeline was built for does not happen. While a pipelined call issues its matmuls, asynctp asks cuBLAS(Lt)
 to target `SMs - n` SMs (torch's experimental SM carve-out, honoured by the cuBLASLt path, which
 is selected for the duration), so those kernels start at once on the SMs left free.
 
@@ -22,10 +22,10 @@ import torch
 __all__ = ["sm_carveout", "carveout_for"]
 
 _ENV = "ASYNCTP_SM_CARVEOUT"
-# SMs left free per strategy, measured on 2xH200 (benchmarks/probe_pipeline.py, PROBE_CARVEOUT,
-# M 4096 and 8192, N 3584, K 8192, with torch's signal kernels then): the pipeline gained nothing
-# from it (the GEMMs lost 3-10% to it at 4-16 SMs), the ring's NCCL kernels gained 3-8% over
-# NVLink and 9-22% with peer access off at 16 SMs. The pipeline's signals no longer need SMs.
+# SMs left free per strategy, measured on 2xH200 (M 4096 and 8192, N 3584, K 8192; signals as
+# torch's kernels; docs/performance.md): the pipeline gained nothing from it (the GEMMs lost 3-10%
+# at 4-16 SMs), the ring's NCCL kernels gained 3-8% over NVLink and 9-22% with peer access off at
+# 16 SMs. The pipeline's eager signals are stream memory operations, which need no SM.
 _DEFAULTS = {"pipeline": 0, "ring": 16}
 
 

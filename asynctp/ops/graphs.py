@@ -1,7 +1,7 @@
 """Eager pipelined calls replayed from CUDA graphs, captured per call signature.
 
 Why: an eager pipelined call issues 10-40 launches (copies, GEMMs, events, stream switches,
-barriers). On 2xH200 (benchmarks/probe_host.py, third session) that took the host 340-550 us per
+barriers). On 2xH200 (docs/performance.md) that took the host 340-550 us per
 call, longer than the GPU work it issued (200-370 us at the seed shapes' M 4096), so the GPU idled
 between launches and the eager pipeline lost to serial although its CUDA-graphed replay beat
 serial by 1.3-1.5x. Replaying a captured graph costs the host about 10 us.
@@ -35,13 +35,13 @@ workspace, least recently used dropped first. clear() drops them all.
 When (ASYNCTP_GRAPHS=auto, the default): a replay saves host time, which is worth something only
 where the GPU waits for the host. Where the GPU runs behind the host (a deep queue: training steps
 of large matmuls), an eager call's host time is hidden and a graph would only hold memory (2xH200,
-8B-shaped block, tenth session: eager step time equal with and without graphs, 129.8 ms at batch
+8B-shaped block: eager step time equal with and without graphs, 129.8 ms at batch
 2, while the graphs took the process's peak reserved memory from 17.6 to 33.9 GiB). So a key is
 captured only at a sighting where the GPU was less than LAG_SECONDS (10 ms; ASYNCTP_GRAPHS_LAG_MS)
 behind the host: work queued that long ago is finished (events recorded on the caller's stream, at
 most one every MARK_SECONDS). A key found behind at DECIDE_SIGHTINGS sightings runs eagerly for good
 (reason "gpu-bound"). Why 10 ms, not less: a queue a few ms deep hides a few eager calls, not a
-backward pass of them. With 1 ms (thirteenth session, 2xH200, 8B-shaped block, eager, one machine)
+backward pass of them. With 1 ms (2xH200, 8B-shaped block, eager, one machine)
 the batch-1 step's backward calls looked behind and stayed eager (31 of 34 calls a step), each
 costing ~1-2 ms of host time, and the GPU starved later in the backward: 67.6 ms a step against
 59.7 with 10 ms (every call replayed), for 3.6 GiB more allocated (12.8 vs 9.1). At batch 2 the

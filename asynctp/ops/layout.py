@@ -14,7 +14,7 @@ and the fake implementations return identical layouts. The batch-major order (AS
 auto, the default, where each rank's run of rows is >= BATCH_MAJOR_MIN_ROWS; "1" always; "0"
 never) lets the pipelined and ring strategies keep the caller's row order instead of moving the
 dim first and back (no copies; one GEMM per run of rows): GatherLayout.out_runs,
-ScatterLayout.a_runs. Measured on 2xH200 at batch 2 (benchmarks/results/NOTES.md, eighth session).
+ScatterLayout.a_runs. Measured on 2xH200: faster from runs of 512 rows (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # auto (default) / 1 / 0: gathers / sca
 def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
     """t (the gather/scatter dim first) with that dim moved back to `dim`, contiguous. The strided
     view alone would be free, but its batch stride smaller than its sequence stride made cuDNN's
-    bf16 attention backward return wrong gradients (H200, batch 2: found by
-    benchmarks/probe_grads.py); callers get the layout torch's own ops give. No copy when every
+    bf16 attention backward return wrong gradients (H200, batch 2; benchmarks/probe_sdpa_strides.py
+    shows it on one GPU); callers get the layout torch's own ops give. No copy when every
     dim before `dim` has size 1."""
     return t.movedim(0, dim).contiguous() if dim else t
 

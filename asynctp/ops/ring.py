@@ -32,8 +32,8 @@ _SPLITS_ENV = "ASYNCTP_RING_SPLITS"
 def ring_splits(rows: int, device: torch.device) -> int:
     """Row blocks per chunk: each block's send/receive is its own NCCL call, so the matmul of a
     block starts as soon as it has arrived (and, for reduce-scatter, a block's partial travels
-    while the next is computed). Measured on 2xH200 with peer access off (benchmarks/
-    probe_pipeline.py, NCCL_P2P_DISABLE=1, 16 SMs carved out, N 3584, K 8192), all-gather:
+    while the next is computed). Measured on 2xH200 with peer access off (NCCL_P2P_DISABLE=1,
+    16 SMs carved out, N 3584, K 8192), all-gather:
     M 4096 (2048 rows per rank) 1647 / 1582 / 1619 / 1734 us at 1 / 2 / 4 / 8 blocks (serial
     1661); M 8192 3412 / 3175 / 3130 / 3221 (serial 3269); reduce-scatter alike."""
     env = os.environ.get(_SPLITS_ENV)

@@ -27,7 +27,7 @@ def test_compiled_block_batch1_same_loss_and_grads(pool):
 
 def test_compiled_demo_model_grads_match_without_the_pass(pool):
     """bf16, the `small` demo model with 2 layers at batch 2, where torch 2.11's own async-TP pass
-    computes gradients off by 0.5-3.4x their magnitude (fourteenth session): asynctp's pass stays
+    computes gradients off by 0.5-3.4x their magnitude (2xH200): asynctp's pass stays
     at rounding (it measured 1.8e-2 from eager there, as compiled without any pass does)."""
     import torch
 
