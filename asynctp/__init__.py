@@ -5,12 +5,12 @@ Workspace/get_workspace/reserve, the asynctp.ops.* submodules, asynctp.bench and
 `asynctp.compile` (the torch.compile pass) is imported on first use: it loads inductor.
 """
 
-from asynctp.config import get_timeout, set_timeout
+from asynctp.config import Config, configure, get_config, get_timeout, set_timeout
 from asynctp.ops import all_gather_matmul, matmul_reduce_scatter
 from asynctp.ops import all_gather_scaled_matmul, scaled_matmul_reduce_scatter
 from asynctp.ops import all_gather, reduce_scatter
 from asynctp import float8
-from asynctp.symm import get_workspace, reserve
+from asynctp.symm import CallMismatchError, OutOfStepError, PeerTimeoutError, get_workspace, reserve, reset
 from asynctp.nn import all_gather_linear, linear_reduce_scatter
 from asynctp import parallel
 
@@ -43,7 +43,15 @@ __all__ = [
     # workspaces
     "get_workspace",
     "reserve",
-    # settings
+    # settings: one Config, read from ASYNCTP_* once, replaced with configure()
+    "Config",
+    "configure",
+    "get_config",
     "get_timeout",
     "set_timeout",
+    # reliability: ranks that disagree, fall out of step or time out
+    "reset",
+    "CallMismatchError",
+    "OutOfStepError",
+    "PeerTimeoutError",
 ]

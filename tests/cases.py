@@ -407,11 +407,10 @@ def no_workspace_fallback(device: str) -> None:
     """A group that cannot have a workspace (here: ASYNCTP_DISABLE_SYMM=1 when it is created)
     warns once, saying why, and "auto" still overlaps, over the send/recv ring, with exact
     results; strategy="pipeline" runs serially there."""
-    import os
     import warnings
 
     rank, ws = world()
-    os.environ["ASYNCTP_DISABLE_SYMM"] = "1"
+    asynctp.config.configure(disable_symm=True)
     try:
         group = dist.new_group(list(range(ws)))
         with warnings.catch_warnings(record=True) as caught:
@@ -429,7 +428,7 @@ def no_workspace_fallback(device: str) -> None:
             assert torch.equal(a_g, torch.cat(shards)) and torch.equal(o, torch.cat(shards) @ b)
         dist.destroy_process_group(group)
     finally:
-        os.environ.pop("ASYNCTP_DISABLE_SYMM")
+        asynctp.config.configure(disable_symm=False)
 
 
 def low_contention_collectives(device: str) -> int:

@@ -4,7 +4,6 @@ a pool of their own and throw it away."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -28,72 +27,64 @@ def _fault_setup(device: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """A 3 s timeout and one call first, so the workspace exists before a fault: (rank, world, a, b)."""
     rank, ws = world()
     asynctp.set_timeout(3)
+    asynctp.reset(dist.group.WORLD)
     a = ints((4 * ws, 8), rank, torch.float32, device)
     b = ints((8, 6), 1, torch.float32, device)
     asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
     return rank, ws, a, b
 
 
-def peer_skips_op(device: str, op: str) -> tuple[str, float]:
-    """The last rank raises before the op (a user error on one rank); the others must raise a
-    timeout naming it, not hang."""
-    rank, ws, a, b = _fault_setup(device)
-    if rank == ws - 1:
-        return "skipped", 0.0
-    if op == "ag":
-        return _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline"))
-    return _timed_error(lambda: asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline"))
-
-
-def peer_dies_mid_op(device: str, op: str) -> tuple[str, float]:
-    """The last rank exits after the op's opening barrier; the others must raise a timeout
-    naming it."""
-    rank, ws, a, b = _fault_setup(device)
-    if rank == ws - 1:
-        workspace = asynctp.get_workspace(dist.group.WORLD, device)
-        real_barrier = workspace.barrier
-
-        def barrier_then_die(channel: int = 0, timeout: float | None = None) -> None:
-            real_barrier(channel, timeout)
-            os._exit(3)
-
-        workspace.barrier = barrier_then_die
-    if op == "ag":
-        return _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline"))
-    return _timed_error(lambda: asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline"))
-
-
 def mismatched_calls_raise_everywhere(device: str) -> list[str]:
-    """With the consistency check on, a call whose shapes differ across ranks raises the same
-    ValueError on every rank, and the group keeps working."""
+    """Calls whose shapes differ across ranks: the same ValueError on every rank, naming the
+    field and the ranks (cpu: before any data moves; cuda: the op never passes its opening
+    barrier, so this is for the cpu backend), and the group works again after asynctp.reset."""
     rank, ws = world()
-    os.environ["ASYNCTP_CHECK_CONSISTENCY"] = "1"
-    try:
-        a = ints((4 + (rank == 1), 8), rank, torch.float32, device)  # rank 1 has one row more
-        b = ints((8, 6), 1, torch.float32, device)
-        message, _ = _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD))
-        assert message.startswith("ValueError") and "differs across ranks" in message, message
-        ok = ints((4, 8), rank, torch.float32, device)
-        a_g, _ = asynctp.all_gather_matmul(ok, [b], 0, dist.group.WORLD)
-        assert torch.equal(a_g, torch.cat([ints((4, 8), r, torch.float32, device) for r in range(ws)]))
-        return [message]
-    finally:
-        os.environ.pop("ASYNCTP_CHECK_CONSISTENCY")
+    a = ints((4 + (rank == 1), 8), rank, torch.float32, device)  # rank 1 has one row more
+    b = ints((8, 6), 1, torch.float32, device)
+    message, _ = _timed_error(lambda: asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline"))
+    assert message.startswith("CallMismatchError") and "a_shard.shape" in message and "rank 1" in message, message
+    asynctp.reset(dist.group.WORLD)
+    ok = ints((4, 8), rank, torch.float32, device)
+    a_g, _ = asynctp.all_gather_matmul(ok, [b], 0, dist.group.WORLD)
+    assert torch.equal(a_g, torch.cat([ints((4, 8), r, torch.float32, device) for r in range(ws)]))
+    return [message]
 
 
 def nonfinite_inputs_raise_everywhere(device: str) -> str:
     rank, ws = world()
-    os.environ["ASYNCTP_CHECK_FINITE"] = "1"
-    try:
+    with asynctp.config.override(check_finite=True):
         a = ints((4 * ws, 8), rank, torch.float32, device)
         if rank == 1:
             a[2, 3] = float("nan")
         b = ints((8, 6), 1, torch.float32, device)
         message, _ = _timed_error(lambda: asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD))
-        assert message.startswith("ValueError") and "rank 1" in message and "matmul_reduce_scatter" in message, message
-        return message
-    finally:
-        os.environ.pop("ASYNCTP_CHECK_FINITE")
+    assert message.startswith("ValueError") and "rank 1" in message and "matmul_reduce_scatter" in message, message
+    asynctp.reset(dist.group.WORLD)  # the check raised inside the call
+    return message
+
+
+def mismatch_on_device(op: str) -> str:
+    """cuda: the last rank makes a different call (more rows). The opening barrier's flags carry
+    the call's signature, so no rank passes it: the watchdog names the op, the rank and the
+    signature before the context is aborted. Returns the log line (the pool is thrown away)."""
+    import logging
+
+    rank, ws, a, b = _fault_setup("cuda")
+    torch.cuda.synchronize()
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("asynctp").addHandler(Keep())
+    rows = a.shape[0] + 2 * (rank == ws - 1)
+    a = ints((rows, a.shape[1]), rank, a.dtype, "cuda")
+    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+    deadline = time.monotonic() + 3 + 8
+    while not logged and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return logged[0] if logged else "nothing logged"
 
 
 def two_groups_interleaved(device: str) -> None:

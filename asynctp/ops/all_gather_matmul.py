@@ -71,6 +71,7 @@ def _all_gather_matmul_op(a_shard, bs, gather_dim, group_name, return_a, biases,
     return _run(a_shard, bs, dim, group, return_a, biases, strategy)
 
 
+@guard.agreed("all_gather_matmul")
 def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     """The implementation, on validated arguments (dim normalized)."""
     if guard.enabled():
@@ -171,6 +172,7 @@ def _consume_k_blocks(
 
 # ---------------------------------------------------------------------- the wgrad contraction
 
+@guard.agreed("all_gather_contract")
 def all_gather_contract(
     x_shard: torch.Tensor, gs: list[torch.Tensor], gather_dim: int, group: Any, strategy: str = "auto",
 ) -> list[torch.Tensor]:

@@ -125,6 +125,7 @@ def _all_gather_scaled_matmul_op(
     return _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy)
 
 
+@guard.agreed("all_gather_scaled_matmul")
 def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy, return_scale=False):
     """The implementation, on validated arguments (`checked`: what the check returned).
     return_scale (rowwise, internal): the gathered a_scale is appended to the outputs."""

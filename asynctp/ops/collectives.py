@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asynctp.ops import guard
 from asynctp.ops.layout import moved_back
 from asynctp.ops.pipeline import gather_and_consume, produce_and_reduce_scatter
 from asynctp.ops.reference import all_gather_rows, divide_for_avg, reduce_scatter_rows
@@ -44,6 +45,7 @@ def all_gather(x: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
 
 
 @torch.library.custom_op("asynctp::all_gather", mutates_args=(), schema="(Tensor x, int gather_dim, str group_name) -> Tensor")
+@guard.agreed("all_gather")
 def _all_gather_op(x, gather_dim, group_name):
     pg = resolve_group(group_name)
     world = pg.size()
@@ -92,6 +94,7 @@ def reduce_scatter(x: torch.Tensor, scatter_dim: int, group: Any, reduce_op: str
 @torch.library.custom_op(
     "asynctp::reduce_scatter", mutates_args=(), schema="(Tensor x, int scatter_dim, str group_name, str reduce_op) -> Tensor"
 )
+@guard.agreed("reduce_scatter")
 def _reduce_scatter_op(x, scatter_dim, group_name, reduce_op):
     pg = resolve_group(group_name)
     world = pg.size()

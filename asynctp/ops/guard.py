@@ -1,75 +1,90 @@
-"""Optional pre-flight checks of a call, agreed over the group before any data moves.
+"""Every public op's call is agreed on by the group's ranks (on by default), and optionally its
+inputs checked for NaN/Inf.
 
-ASYNCTP_CHECK_CONSISTENCY=1: ranks compare the call's metadata (op, shapes, dtypes, dims,
-strategy, modes); a mismatch raises the same ValueError on every rank instead of a hang or
-garbage. ASYNCTP_CHECK_FINITE=1: inputs are checked for NaN/Inf before they are communicated;
-every rank raises, naming the op and the ranks that had them. Both cost one small collective
-and a host sync per call: debugging aids, off by default.
+`agreed(op)` wraps an op's implementation: it opens the call on the group's workspace
+(Workspace.begin_call: refuses a group out of step or a second thread, numbers the call and
+compares its signature, signature.py, in the values the ranks exchange anyway) and closes it
+(an exception marks the group out of step until asynctp.reset). On CPU the workspace is made on
+first use, so every strategy is checked; on CUDA a call is checked once the group has a
+workspace (its pipelined calls). Zero-size inputs run the serial strategy (nothing to overlap).
+
+Config.check_finite (ASYNCTP_CHECK_FINITE=1): inputs are checked for NaN/Inf before they are
+communicated; every rank raises, naming the op and the ranks that had them. It costs one store
+round and a host sync per call: a debugging aid, off by default.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from asynctp.config import get_config
+from asynctp.ops.signature import FIELDS, NAMES
+from asynctp.symm import lookup, resolve_group
 from asynctp.symm.rendezvous import exchange
 
-__all__ = ["enabled", "preflight"]
-
-_CONSISTENCY_ENV = "ASYNCTP_CHECK_CONSISTENCY"
-_FINITE_ENV = "ASYNCTP_CHECK_FINITE"
+__all__ = ["agreed", "enabled", "preflight"]
 
 
-def _on(var: str) -> bool:
-    return os.environ.get(var, "0") not in ("", "0")
+def agreed(op: str) -> Callable[[Callable], Callable]:
+    """Decorate the implementation of `op` (its arguments as signature.FIELDS[op] takes them)."""
+    fields, names = FIELDS[op], NAMES[op]
+
+    def wrap(fn: Callable) -> Callable:
+        params = list(inspect.signature(fn).parameters)
+        strategy_at = params.index("strategy") if "strategy" in params else None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group, device, values = fields(*args, **kwargs)
+            if strategy_at is not None and _has_empty(args) and strategy_at < len(args):
+                args = (*args[:strategy_at], "serial", *args[strategy_at + 1 :])
+            pg = resolve_group(group)
+            ws = lookup(pg, device.type, create=device.type == "cpu") if pg.size() > 1 else None
+            if ws is None:
+                return fn(*args, **kwargs)
+            ws.begin_call(op, names, values)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                ws.end_call(exc)
+                raise
+            ws.end_call()
+            return result
+
+        return call
+
+    return wrap
+
+
+def _has_empty(args: tuple) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.numel() == 0:
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in a):
+            return True
+    return False
 
 
 def enabled() -> bool:
-    return _on(_CONSISTENCY_ENV) or _on(_FINITE_ENV)
-
-
-def _describe(t: Any) -> Any:
-    if isinstance(t, torch.Tensor):
-        return (tuple(t.shape), str(t.dtype))
-    if isinstance(t, (list, tuple)):
-        return tuple(_describe(x) for x in t)
-    return t
+    return get_config().check_finite
 
 
 def preflight(op: str, group: dist.ProcessGroup, meta: dict[str, Any], inputs: list[torch.Tensor | None]) -> None:
-    """Run the enabled checks for one call (no-op when none is enabled)."""
-    consistency, finite = _on(_CONSISTENCY_ENV), _on(_FINITE_ENV)
-    if not (consistency or finite):
+    """The NaN/Inf check of one call (no-op unless Config.check_finite). `meta` is not compared
+    here: every call's signature is, by `agreed`."""
+    if not get_config().check_finite:
         return
-    described = {k: _describe(v) for k, v in meta.items()} if consistency else None
-    bad_inputs = []
-    if finite:
-        for i, t in enumerate(inputs):
-            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad_inputs.append(i)
-    # through the group's store: no numpy (torch's *_object collectives need it), and a rank
-    # that never makes the call is named in a timeout instead of hanging the others
-    everyone = exchange(group, op, (op, described, bad_inputs))
-    nonfinite = [rank for rank, (_, _, bad) in enumerate(everyone) if bad]
+    bad_inputs = [i for i, t in enumerate(inputs)
+                  if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    # through the group's store: a rank that never makes the call is named in a timeout
+    everyone = exchange(group, op, bad_inputs, tag="finite")
+    nonfinite = [rank for rank, bad in enumerate(everyone) if bad]
     if nonfinite:
-        detail = "; ".join(f"rank {r}: inputs {everyone[r][2]}" for r in nonfinite)
+        detail = "; ".join(f"rank {r}: inputs {everyone[r]}" for r in nonfinite)
         raise ValueError(f"asynctp {op}: NaN/Inf in inputs before communication ({detail})")
-    if consistency:
-        reference = everyone[0][:2]
-        for rank, (other_op, other_meta, _) in enumerate(everyone):
-            if (other_op, other_meta) != reference:
-                diffs = _diff(reference, (other_op, other_meta))
-                raise ValueError(
-                    f"asynctp {op}: call metadata differs across ranks (rank 0 vs rank {rank}: {diffs}); "
-                    f"every rank of the group must make the same call"
-                )
-
-
-def _diff(a: tuple, b: tuple) -> str:
-    if a[0] != b[0]:
-        return f"op {a[0]!r} vs {b[0]!r}"
-    keys = sorted(set(a[1]) | set(b[1]))
-    return ", ".join(f"{k} {a[1].get(k)!r} vs {b[1].get(k)!r}" for k in keys if a[1].get(k) != b[1].get(k))

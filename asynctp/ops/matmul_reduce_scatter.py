@@ -122,6 +122,7 @@ def concat_terms(a_list: list[torch.Tensor], b_list: list[torch.Tensor]) -> tupl
     return torch.cat(list(a_list), dim=-1), torch.cat(list(b_list), dim=0)
 
 
+@guard.agreed("matmul_reduce_scatter")
 def _run_terms(a_list, b_list, dim, group, reduce_op, bias, strategy):
     """sum_i a_list[i] @ b_list[i], reduce-scattered, on validated arguments (dim normalized)."""
     a, b = a_list[0], b_list[0]

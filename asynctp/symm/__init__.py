@@ -2,45 +2,51 @@
 
 `get_workspace(group, device)` returns the group's workspace, creating it collectively on first
 use, or None when no backend can serve the group (ranks on several hosts, no peer access, or
-ASYNCTP_DISABLE_SYMM=1); then ops use the send/recv ring or their serial reference, and warn
-once why. Every rank
-reaches the same answer: the checks that decide it are exchanged over the group.
+Config.disable_symm); then ops use the send/recv ring or their serial reference, and warn
+once why. Every rank reaches the same answer: the checks that decide it are exchanged over the
+group.
+
+Lifetime: a workspace is released by `reset(group)` (also the way out of step, see
+workspace.py), when its group has been destroyed (noticed when any workspace is created), and
+when a group of the same name is created anew (noticed at its first call).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from asynctp.config import warn_once
-from asynctp.symm.errors import PeerTimeoutError, WorkspaceUnavailable
-from asynctp.symm.rendezvous import exchange
+from asynctp.config import get_config, warn_once
+from asynctp.symm.errors import CallMismatchError, OutOfStepError, PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.rendezvous import exchange, new_generation
 from asynctp.symm.workspace import Lanes, Workspace, group_name_of, resolve_group
 
 __all__ = [
     "Workspace",
     "Lanes",
     "PeerTimeoutError",
+    "CallMismatchError",
+    "OutOfStepError",
     "WorkspaceUnavailable",
     "get_workspace",
+    "lookup",
+    "reset",
     "unavailable_reason",
     "reserve",
     "resolve_group",
     "group_name_of",
 ]
 
-_DISABLE_ENV = "ASYNCTP_DISABLE_SYMM"
 _workspaces: dict[tuple[str, str], Workspace | None] = {}
 _reasons: dict[tuple[str, str], str] = {}
 
 
 def _local_reason(group: dist.ProcessGroup, device_type: str) -> str | None:
     """Why this rank cannot join a workspace for the group (None: it can)."""
-    if os.environ.get(_DISABLE_ENV, "0") not in ("", "0"):
-        return f"{_DISABLE_ENV} is set"
+    if get_config().disable_symm:
+        return "ASYNCTP_DISABLE_SYMM is set (Config.disable_symm)"
     if device_type == "cuda":
         try:
             import torch.distributed._symmetric_memory  # noqa: F401
@@ -88,18 +94,56 @@ def _create(group: dist.ProcessGroup, device_type: str) -> Workspace:
     return CpuWorkspace(group)
 
 
+def _release(key: tuple[str, str]) -> None:
+    ws = _workspaces.pop(key, None)
+    _reasons.pop(key, None)
+    if ws is not None:
+        ws.close()
+
+
+def _release_destroyed() -> None:
+    """Release the workspaces of groups that torch.distributed no longer knows."""
+    live = set(getattr(dist.distributed_c10d._world, "pg_map", {}))
+    for key, ws in list(_workspaces.items()):
+        if ws is not None and ws.group not in live:
+            _release(key)
+
+
+def lookup(pg: dist.ProcessGroup, device_type: str, create: bool = True) -> Workspace | None:
+    """The group's workspace (created collectively unless create=False), or None; no warning."""
+    key = (pg.group_name, device_type)
+    ws = _workspaces.get(key, False)
+    if ws is not False and ws is not None and ws.group is not pg:
+        _release(key)  # a group of the same name made anew: the old one's workspace is stale
+        ws = False
+    if ws is False:
+        if not create:
+            return None
+        _release_destroyed()
+        try:
+            ws = _workspaces[key] = _create(pg, device_type)
+        except WorkspaceUnavailable as exc:
+            ws = _workspaces[key] = None
+            _reasons[key] = str(exc)
+    return ws
+
+
+def reset(group: Any) -> None:
+    """Bring a group that is out of step (a call failed part-way: timeout, interrupt, ranks that
+    disagreed) back: its workspaces are released and its next call creates them afresh, with
+    fresh call numbers. Call it on every rank of the group, between calls."""
+    pg = resolve_group(group)
+    for key in [k for k in _workspaces if k[0] == pg.group_name]:
+        _release(key)
+    new_generation(pg.group_name)
+
+
 def get_workspace(group: Any, device: torch.device | str) -> Workspace | None:
     """The group's workspace for tensors on `device`, or None (after one warning) if unavailable."""
     pg = resolve_group(group)
     device_type = torch.device(device).type
     key = (pg.group_name, device_type)
-    if key not in _workspaces:
-        try:
-            _workspaces[key] = _create(pg, device_type)
-        except WorkspaceUnavailable as exc:
-            _workspaces[key] = None
-            _reasons[key] = str(exc)
-    ws = _workspaces[key]
+    ws = lookup(pg, device_type)
     if ws is None:
         warn_once(
             f"no-workspace:{key}",

@@ -6,13 +6,22 @@ accesses and the pipelines run unchanged under gloo (CI, CPU-only machines). Seg
 every peer has mapped it, so nothing is left behind when a process dies.
 
 Signal pad (a separate, never-resized segment per rank): int64 counters laid out as
-[channel][kind][source rank], kind 0 = barrier epoch, kind 1 = signals sent. Only the source
-rank writes its slot, so plain stores suffice (x86 keeps stores in order; copies done by glibc's
-memcpy end with a store fence).
+[channel][kind][source rank], kind 0 = barrier epoch, kind 1 = signals sent, then the call words
+[source rank][seq parity][seq, signature] that begin_call compares (a peer can be one call
+ahead, never two: it needs this rank in the call before). Only the source rank writes its slot,
+so plain stores suffice (x86 keeps stores in order; copies done by glibc's memcpy end with a
+store fence).
+
+Files are named asynctp-<pid>-<random>; a file whose process is gone (killed while creating a
+workspace) is removed by the next process that creates one. Every rank unlinks every file of
+an exchange once all are mapped (or it gave up), so a creator that dies leaves nothing behind
+its survivors. Files are allocated (posix_fallocate), never sparse: a full /dev/shm raises
+here instead of SIGBUS at a later write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -23,7 +32,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from asynctp.symm.errors import PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.errors import CallMismatchError, PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.mismatch import describe_mismatch
 from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import NUM_CHANNELS, Workspace
 
@@ -45,6 +55,42 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+_PREFIX = "asynctp-"
+_reclaimed = False
+
+
+def reclaim_stale(directory: str | None = None) -> list[str]:
+    """Remove asynctp files whose creating process no longer exists; returns their paths."""
+    directory = directory or _shm_dir()
+    removed = []
+    for name in os.listdir(directory):
+        parts = name.split("-")
+        if not name.startswith(_PREFIX) or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        if _alive(int(parts[1])):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (killed, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # not ours to signal: then not ours to remove either
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class _Segment:
     """One mapped shared-memory file."""
 
@@ -53,12 +99,24 @@ class _Segment:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, nbytes)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError:
+                    os.unlink(path)
+                    raise
             self.mmap = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
         self.words = memoryview(self.mmap).cast("q")  # int64 view for the signal pad
+
+    def close(self) -> None:
+        self.words.release()
+        del self.tensor
+        try:
+            self.mmap.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
+            pass
 
 
 class CpuWorkspace(Workspace):
@@ -66,18 +124,25 @@ class CpuWorkspace(Workspace):
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__(group, torch.device("cpu"))
-        self._pads = self._exchange(NUM_CHANNELS * 2 * self.world_size * 8)
+        global _reclaimed
+        if not _reclaimed:
+            _reclaimed = True
+            reclaim_stale()
+        self._call_base = NUM_CHANNELS * 2 * self.world_size  # first call word of the signal pad
+        self._pads = self._exchange((self._call_base + 4 * self.world_size) * 8, "pads")
         self._bufs: list[_Segment] = []
         self._epoch = [0] * NUM_CHANNELS
         self._sent = [[0] * NUM_CHANNELS for _ in range(self.world_size)]
         self._received = [[0] * NUM_CHANNELS for _ in range(self.world_size)]
 
-    def _exchange(self, nbytes: int) -> list[_Segment]:
+    def _exchange(self, nbytes: int, tag: str) -> list[_Segment]:
         """Collectively create one segment per rank and map all of them."""
-        path = os.path.join(_shm_dir(), f"asynctp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(_shm_dir(), f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         own = _Segment(path, nbytes, create=True)
+        paths = [path]
         try:
-            infos = exchange(self.group, self.op, (_host_id(), path))
+            infos = exchange(self.group, self.op, (_host_id(), path), tag=tag)
+            paths = [p for _, p in infos]
             hosts = {host for host, _ in infos}
             if len(hosts) > 1:
                 raise WorkspaceUnavailable(
@@ -86,14 +151,29 @@ class CpuWorkspace(Workspace):
                 )
             segs = [own if r == self.rank else _Segment(p, nbytes, create=False) for r, (_, p) in enumerate(infos)]
             # every rank has mapped every segment before any file disappears
-            exchange(self.group, self.op, None)
+            exchange(self.group, self.op, None, tag=tag)
+        except BaseException:
+            own.close()
+            reclaim_stale()  # a peer killed while it made its file leaves it behind otherwise
+            raise
         finally:
-            os.unlink(path)
+            for p in paths:  # every rank removes every file: a creator that died leaves none
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
         return segs
 
     def _grow(self, nbytes: int) -> None:
-        self._bufs = self._exchange(nbytes)
+        old, self._bufs = self._bufs, []
+        for seg in old:
+            seg.close()
+        self._bufs = self._exchange(nbytes, "grow")
         self.nbytes = nbytes
+
+    def close(self) -> None:
+        super().close()
+        for seg in [*self._bufs, *self._pads]:
+            seg.close()
+        self._bufs, self._pads, self.nbytes = [], [], 0
 
     def _raw(self, rank: int) -> torch.Tensor:
         return self._bufs[rank].tensor
@@ -101,19 +181,27 @@ class CpuWorkspace(Workspace):
     def _slot(self, channel: int, kind: int, src: int) -> int:
         return (channel * 2 + kind) * self.world_size + src
 
-    def _wait_for(self, index: int, value: int, what: str, peer: int, timeout: float | None) -> None:
+    def _wait_all(self, indices: list[int], value: int, what: str, peers: list[int], timeout: float | None) -> None:
+        """Wait until words[i] >= value for every i (one per peer); a timeout names every peer
+        still missing."""
         words = self._pads[self.rank].words
-        if words[index] >= value:
+        waiting = [i for i in indices if words[i] < value]
+        if not waiting:
             return
         limit = self._timeout(timeout)
         deadline = time.monotonic() + limit
         delay = 1e-6
-        while words[index] < value:
+        while waiting:
             if time.monotonic() > deadline:
-                raise PeerTimeoutError(self.op, self.rank, peer, what, limit, self.group_name)
+                missing = [p for p, i in zip(peers, indices) if words[i] < value]
+                raise PeerTimeoutError(self.op, self.rank, missing, what, limit, self.group_name)
             # back off: with more ranks than cores a busy spin starves the peer we wait for
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+            waiting = [i for i in waiting if words[i] < value]
+
+    def _wait_for(self, index: int, value: int, what: str, peer: int, timeout: float | None) -> None:
+        self._wait_all([index], value, what, [peer], timeout)
 
     def barrier(self, channel: int = 0, timeout: float | None = None) -> None:
         self._epoch[channel] += 1
@@ -121,9 +209,34 @@ class CpuWorkspace(Workspace):
         mine = self._slot(channel, _BARRIER, self.rank)
         for pad in self._pads:
             pad.words[mine] = epoch
-        for peer in range(self.world_size):
-            what = f"barrier (channel {channel}, epoch {epoch})"
-            self._wait_for(self._slot(channel, _BARRIER, peer), epoch, what, peer, timeout)
+        peers = list(range(self.world_size))
+        what = f"barrier (channel {channel}, epoch {epoch})"
+        self._wait_all([self._slot(channel, _BARRIER, p) for p in peers], epoch, what, peers, timeout)
+
+    def _agree(self) -> None:
+        """Publish (seq, signature) in every pad, wait for every peer's, compare. A mismatch
+        raises the same CallMismatchError on every rank (they all see it) before data moves."""
+        seq, sig, rank = self.seq, self.signature, self.rank
+        base = self._call_base + 2 * (seq % 2)
+        for pad in self._pads:
+            words = pad.words
+            words[base + 4 * rank + 1] = sig  # before the seq, which is what peers wait for
+            words[base + 4 * rank] = seq
+        peers = [p for p in range(self.world_size) if p != rank]
+        self._wait_all([base + 4 * p for p in peers], seq, f"the start of call {seq}", peers, None)
+        words = self._pads[rank].words
+        theirs = {p: (words[base + 4 * p], words[base + 4 * p + 1]) for p in peers}
+        ahead = {p: s for p, (s, _) in theirs.items() if s != seq}
+        if ahead:
+            raise CallMismatchError(
+                f"asynctp {self.op} requires every rank of group {self.group_name!r} at the same call, got call "
+                f"{seq} on rank {rank} and " + ", ".join(f"call {s} on rank {p}" for p, s in sorted(ahead.items()))
+                + "; call asynctp.reset(group) on every rank"
+            )
+        if any(s != sig for _, s in theirs.values()):
+            # only now: every rank's fields, to name them (all ranks are here, they all saw it)
+            everyone = exchange(self.group, self.op, self.call, tag=f"mismatch-{seq}")
+            raise CallMismatchError(describe_mismatch(self.group_name, seq, everyone))
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._sent[dst_rank][channel] += 1

@@ -3,7 +3,7 @@
 Peer buffers are plain device pointers in this process, so `peer_view.copy_(src)` (or the
 reverse) is a cudaMemcpyAsync that runs on a copy engine and leaves every SM to the matmuls. Barriers and
 signals are stream memory operations on flags in the signal pad (streamops.py: no SM, a few
-microseconds of host time each). Where the driver lacks them, with ASYNCTP_SIGNALS=torch, and
+microseconds of host time each). Where the driver lacks them, with TORCH_SIGNALS set, and
 in a CUDA graph the caller captures, torch's stream-ordered signal-pad kernels: those time out on
 their own, unwatched (asynctp's own graphs, ops/graphs.py, capture the stream operations and the
 watchdog watches their replays). Multicast is never used.
@@ -15,11 +15,26 @@ closing barrier 1 of a pull all-gather, the pushed blocks' signals of a push all
 reduce-scatter); the next
 op's barrier-0 set is issued after those waits, and the signals of the next op after its
 barrier 0.
+
+Call agreement: the flags of barrier channel 0 (every op's opening barrier) are set to the
+call's signature (Workspace.begin_call: a nonzero 32-bit hash of the op and what its exchange
+depends on), and each rank waits for exactly its own signature in every peer's flag. Ranks that
+made different calls never pass the barrier, so no data moves and no result is returned: the
+watchdog names the op, the rank, the peer and the signature it expected once the timeout
+passes, then aborts the CUDA context (as for any stuck wait). All other flags are set to 1.
+A graph captured by ops/graphs.py replays the signature of the call it captured, which is the
+signature of every call it serves (its key holds the same fields). The torch signal-kernel
+fallback (no stream memory operations, or a graph the caller captures) does not compare.
+
+For the single-launch GEMM, which spins on the signal flags itself: `signal_flags(first,
+count)` is a flat contiguous torch.uint32 view of this rank's own signal flags for channels
+first .. first + count - 1, flag of (channel c, source rank s) at index (c - first) *
+world_size + s, and `SIGNAL_VALUE` (1) is what a peer's put_signal writes there. The owner
+resets a flag to 0 once it has seen it (as wait_signal does).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -32,8 +47,10 @@ from asynctp.symm.workspace import Workspace
 
 __all__ = ["CudaWorkspace"]
 
-_SIGNALS_ENV = "ASYNCTP_SIGNALS"  # "torch": torch's signal kernels even in eager mode
+# True: torch's signal kernels even in eager mode (a debugging switch, not a setting)
+TORCH_SIGNALS = False
 FLAG_CHANNELS = 16  # channels per kind (barrier, signal); torch's kernels use the same numbers
+SIGNAL_VALUE = 1  # what put_signal (and every barrier flag but channel 0's) writes
 
 
 def _rendezvous(tensor: torch.Tensor, group_name: str):  # -> _SymmetricMemory
@@ -60,7 +77,7 @@ class CudaWorkspace(Workspace):
         self.pending: watchdog.Pending | None = None  # the last wait enqueued (see watchdog.py)
         self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
-        self._awaited: set[int] = set()  # addresses of own flags a wait was enqueued on
+        self._awaited: dict[int, int] = {}  # own flags a wait was enqueued on: address -> value awaited
         self.own_capture = False  # set by ops/graphs.py while it captures a call
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
@@ -80,12 +97,12 @@ class CudaWorkspace(Workspace):
             # device before the (collective) rendezvous, so once it returns no read is pending.
             torch.cuda.synchronize(self.device)
         tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        exchange(self.group, self.op, nbytes)  # every rank is here (with asynctp's timeout)
+        exchange(self.group, self.op, nbytes, tag="grow")  # every rank is here (with asynctp's timeout)
         handle = _rendezvous(tensor, self.group_name)
         self._bufs = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(self.world_size)]
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
-        self._awaited = set()  # a fresh signal pad is zeroed
+        self._awaited = {}  # a fresh signal pad is zeroed
         self._flags, why = _flag_region(handle, self.world_size)
         self._ops = streamops.load() if self._flags is not None else None
         if self._ops is None:
@@ -109,8 +126,8 @@ class CudaWorkspace(Workspace):
             return
         stream, false = self._abort
         if self._ops is not None:
-            for address in list(self._awaited):
-                self._ops.write(stream.cuda_stream, address, 1)
+            for address, value in list(self._awaited.items()):
+                self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
 
@@ -137,15 +154,34 @@ class CudaWorkspace(Workspace):
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
 
-    def _wait_reset(self, stream: int, address: int) -> None:
-        self._awaited.add(address)
-        self._ops.wait(stream, address, 1)
+    def _wait_reset(self, stream: int, address: int, value: int = SIGNAL_VALUE) -> None:
+        self._awaited[address] = value
+        self._ops.wait(stream, address, value)
         self._ops.write(stream, address, 0)
+
+    def signal_flags(self, first: int, count: int) -> torch.Tensor:
+        """This rank's own signal flags for channels first .. first + count - 1: a flat
+        contiguous torch.uint32 tensor, (channel c, source s) at (c - first) * world_size + s;
+        a peer's put_signal writes SIGNAL_VALUE. Requires the stream-operation flags."""
+        if self._flags is None:
+            raise ValueError("signal_flags requires the stream-operation flags, got torch's signal kernels")
+        if not (0 <= first and count >= 0 and first + count <= FLAG_CHANNELS):
+            raise ValueError(f"signal_flags requires channels within [0, {FLAG_CHANNELS}), got {first}..{first + count - 1}")
+        offset = self._flag(1, first, 0) // 4
+        return self._handle.get_signal_pad(self.rank, (count * self.world_size,), torch.uint32, offset)
+
+    def close(self) -> None:
+        super().close()
+        self._bufs, self._tensor, self._handle, self._ops = [], None, None, None
 
     def barrier(self, channel: int = 0, timeout: float | None = None) -> None:
         self._check_channel(channel)
         seconds = self._timeout(timeout)
-        if not self._watch(f"barrier channel {channel}", None, seconds):
+        value = self.signature if channel == 0 else SIGNAL_VALUE
+        what = f"barrier channel {channel}"
+        if channel == 0 and value != SIGNAL_VALUE:
+            what += f" with the signature 0x{value:08x} of {self.op} (call {self.seq}: {self._fields()})"
+        if not self._watch(what, None, seconds):
             self._handle.barrier(channel=channel, timeout_ms=int(seconds * 1000))
             return
         # every rank sets its flag in every peer's pad, then waits for each peer's in its own
@@ -154,10 +190,14 @@ class CudaWorkspace(Workspace):
         mine = self._flag(0, channel, rank)
         for peer in range(self.world_size):
             if peer != rank:
-                ops.write(stream, pads[peer] + mine, 1)
+                ops.write(stream, pads[peer] + mine, value)
         for peer in range(self.world_size):
             if peer != rank:
-                self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer))
+                self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer), value)
+
+    def _fields(self) -> str:
+        _, names, values = self.call
+        return ", ".join(f"{n} {v!r}" for n, v in zip(names, values))
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._check_channel(channel)
@@ -182,8 +222,8 @@ def _flag_region(handle, world_size: int) -> tuple[tuple[list[int], int] | None,
 
     asynctp's flags take the end of each pad: 2 kinds x FLAG_CHANNELS channels x world_size
     uint32. torch's kernels take uint32 number channel * world_size + rank from the start."""
-    if os.environ.get(_SIGNALS_ENV, "") == "torch":
-        return None, f"{_SIGNALS_ENV}=torch"
+    if TORCH_SIGNALS:
+        return None, "asynctp.symm.cuda.TORCH_SIGNALS is set"
     from torch._C._distributed_c10d import _SymmetricMemory
 
     try:

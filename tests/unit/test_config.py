@@ -11,18 +11,64 @@ from asynctp.ops.validate import check_all_gather_matmul, check_matmul_reduce_sc
 
 
 def test_timeout_env_and_override(monkeypatch):
+    monkeypatch.setattr(config, "_current", None)  # read the environment afresh
     monkeypatch.setenv("ASYNCTP_TIMEOUT", "12.5")
     assert config.get_timeout() == 12.5
+    monkeypatch.setenv("ASYNCTP_TIMEOUT", "99")
+    assert config.get_timeout() == 12.5  # read once
     asynctp.set_timeout(3)
-    try:
-        assert config.get_timeout() == 3.0
-    finally:
-        asynctp.set_timeout(None)
-    monkeypatch.setenv("ASYNCTP_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="ASYNCTP_TIMEOUT requires a number of seconds, got 'soon'"):
-        config.get_timeout()
+    assert config.get_timeout() == 3.0
+    asynctp.set_timeout(None)  # back to the environment's
+    assert config.get_timeout() == 99.0
     with pytest.raises(ValueError, match="positive"):
         asynctp.set_timeout(0)
+
+
+@pytest.mark.parametrize("raw", ["soon", "inf", "nan", "0", "-1", "1e999"])
+def test_bad_timeouts_name_the_variable(raw):
+    with pytest.raises(ValueError, match=f"ASYNCTP_TIMEOUT requires a finite number of seconds > 0, got '{raw}'"):
+        config.Config.from_env({"ASYNCTP_TIMEOUT": raw})
+    with pytest.raises(ValueError, match="timeout .ASYNCTP_TIMEOUT. requires"):
+        config.Config(timeout=float(raw) if raw != "soon" else raw)
+
+
+@pytest.mark.parametrize("raw, value", [("0", False), ("false", False), ("OFF", False), ("no", False),
+                                        ("1", True), ("true", True), ("On", True), ("yes", True), ("", False)])
+def test_booleans(raw, value):
+    assert config.Config.from_env({"ASYNCTP_CHECK_FINITE": raw}).check_finite is value
+
+
+@pytest.mark.parametrize("var, raw", [("ASYNCTP_CHECK_CALLS", "maybe"), ("ASYNCTP_DISABLE_SYMM", "2"),
+                                      ("ASYNCTP_SM_CARVEOUT", "-3"), ("ASYNCTP_SM_CARVEOUT", "lots"),
+                                      ("ASYNCTP_GRAPHS", "sometimes")])
+def test_garbage_values_raise_naming_the_variable(var, raw):
+    with pytest.raises(ValueError, match=f"{var} requires .*got '{raw}'"):
+        config.Config.from_env({var: raw})
+
+
+def test_config_is_frozen_keyword_only_and_overridable():
+    import dataclasses
+
+    cfg = config.get_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.timeout = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.Config(5.0)  # type: ignore[misc]
+    assert len(dataclasses.fields(config.Config)) <= 8
+    with config.override(check_calls=False, timeout=7):
+        assert config.get_config().check_calls is False and config.get_timeout() == 7.0
+    assert config.get_config() == cfg
+    with pytest.raises(ValueError, match="sm_carveout .ASYNCTP_SM_CARVEOUT. requires an int >= 0"):
+        config.configure(sm_carveout=-1)
+    assert config.get_config() == cfg
+
+
+def test_settings_table_documents_every_field():
+    import dataclasses
+
+    table = config.settings_table()
+    for f in dataclasses.fields(config.Config):
+        assert f"`{f.metadata['env']}` | `{f.name}`" in table and f.metadata["doc"]
 
 
 def test_warn_once():
