@@ -28,6 +28,7 @@ import abc
 import contextlib
 import threading
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -171,6 +172,18 @@ class Lanes:
         """An op raised between fork and join: no completion event is coming for it."""
         self.joined = self.started
 
+    def replay(self, run: Callable[[], None]) -> None:
+        """run() (a CUDA-graph replay of a whole op) on the current stream, ordered as fork and
+        join order ops: after the previous op on this workspace, and the next op after it."""
+        caller = torch.cuda.current_stream()
+        if self._done is not None and self.caller is not None and caller != self.caller:
+            caller.wait_event(self._done)
+        run()
+        self.caller = self.active = caller
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        self._done.record(caller)
+
     def copy(self) -> contextlib.AbstractContextManager:
         return self._copy if self.is_cuda else self._null
 
@@ -212,7 +225,7 @@ class Workspace(abc.ABC):
         self.nbytes = 0
         self._views: dict[tuple, torch.Tensor] = {}  # get_buffer results, dropped on growth
         self.generation = 0  # bumped when the buffers are replaced (captured graphs go stale)
-        self.graphs: Any = None  # asynctp.ops.graphs.GraphCache, made on first use
+        self.graphs: Any = None  # asynctp.runtime.graphs.GraphCache, made on first use
         self.seq = 0  # calls begun on this workspace (the same on every rank while in step)
         self.signature = _UNCHECKED  # 32-bit signature of the call in progress (never 0)
         self.call: tuple = ("workspace", (), ())  # (op, field names, field values) of that call
