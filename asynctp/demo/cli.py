@@ -27,7 +27,9 @@ _CPU_WORLD = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["tiny", "small", "8b-block"], default=None,
                         help="model size (default: 8b-block with >= 2 GPUs, tiny on CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 200 on GPU, 30 on CPU)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per run (default: 30, which ends within a minute on 2 GPUs; --long: 200)")
+    parser.add_argument("--long", action="store_true", help="200 steps per run (longer loss curves, steadier times)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="parameter and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--float8", choices=["none", "rowwise", "tensorwise"], default="none",
                         help="fp8 recipe of asynctp's matmuls (vanilla TP stays in --dtype)")
@@ -70,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON and PNG go")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, collect: list | None = None) -> int:
+    """The demo; `collect` (benchmarks/train_bench.py) receives (runs, settings) of each launch."""
     num_gpus = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     on_gpu = num_gpus >= 2
     if on_gpu:
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = TrainSettings(
         cfg=cfg,
-        steps=args.steps if args.steps is not None else (200 if on_gpu else 30),
+        steps=args.steps if args.steps is not None else (200 if getattr(args, "long", False) else 30),
         dtype=_DTYPES[args.dtype or ("bfloat16" if on_gpu else "float32")],
         lr=args.lr if args.lr is not None else _LR[model_name],
         seed=args.seed,
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     runs = _launch(world, backend, device_type, settings, variants)
     if runs is None:
         return 1
+    if collect is not None:
+        collect.append((runs, settings))
     _report(args, runs, settings, model_name, world, backend, device_type)
     return 0
 

@@ -140,3 +140,16 @@ def test_demo_no_comm_baseline_skips_the_collectives(tmp_path, capsys):
     cost = (runs["vanilla TP"]["step_time_s"] - runs["vanilla TP, no communication"]["step_time_s"]) * 1000
     assert c["vanilla_comm_cost_ms"] == pytest.approx(cost)
     assert c["max_rel_loss_diff"] <= 1e-5
+
+
+def test_train_bench_runs_at_toy_size(tmp_path):
+    """benchmarks/train_bench.py end to end on CPU (eager configuration only: compiling takes minutes)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "benchmarks/train_bench.py", "--cpu", "--steps", "2", "--sync-every", "1",
+           "--batch-sizes", "2", "--configs", "eager", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = done.stdout[done.stdout.rindex("config"):]
+    assert "vanilla TP, no communication" in table and "asynctp" in table, table
