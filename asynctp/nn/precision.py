@@ -17,27 +17,29 @@ fp8 operands (about its weights' bf16 size plus its fp8 activations and gradient
 
 from __future__ import annotations
 
-import importlib
 import types
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from asynctp.float8 import Float8Recipe
+from asynctp.float8 import quantize as q
 from asynctp.ops import graphs
+from asynctp.ops.all_gather_scaled_matmul import all_gather_scaled_matmul, all_gather_scaled_matmul_with_scale
+from asynctp.ops.scaled_matmul_reduce_scatter import scaled_matmul_reduce_scatter
 from asynctp.ops.strategy import eager_call_ok
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 
-# (module, names) the fp8 path needs; checked when a recipe is given, so a missing piece is a
-# clear ValueError at the call that asked for fp8, not an AttributeError deep in backward
-_NEEDED = (
-    ("asynctp.float8", ("Float8Recipe",)),
-    ("asynctp.float8.quantize", ("quantize_rows", "quantize_tensor", "quantize_weight_into", "quantize_weight_for_dgrad",
-                                 "dequantize", "abs_max", "agreed_amax")),
-    ("asynctp.ops.all_gather_scaled_matmul", ("all_gather_scaled_matmul", "all_gather_scaled_matmul_with_scale")),
-    ("asynctp.ops.scaled_matmul_reduce_scatter", ("scaled_matmul_reduce_scatter",)),
-)
+# the fp8 functions the matmuls call
+_API = {
+    "quantize_rows": q.quantize_rows, "quantize_tensor": q.quantize_tensor, "quantize_weight_into": q.quantize_weight_into,
+    "quantize_weight_for_dgrad": q.quantize_weight_for_dgrad, "dequantize": q.dequantize, "abs_max": q.abs_max,
+    "agreed_amax": q.agreed_amax, "all_gather_scaled_matmul": all_gather_scaled_matmul,
+    "all_gather_scaled_matmul_with_scale": all_gather_scaled_matmul_with_scale,
+    "scaled_matmul_reduce_scatter": scaled_matmul_reduce_scatter,
+}
 
 
 def resolve_float8(float8: Any, keep_buffers: bool = False) -> Float8Matmuls | None:
@@ -46,21 +48,10 @@ def resolve_float8(float8: Any, keep_buffers: bool = False) -> Float8Matmuls | N
     as asynctp.parallel makes them; a per-call instance would only hold them longer)."""
     if float8 is None:
         return None
-    found: dict[str, Any] = {}
-    for module_name, names in _NEEDED:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"float8 requires the module {module_name}, which is missing ({exc}); use float8=None") from None
-        missing = [n for n in names if not hasattr(module, n)]
-        if missing:
-            raise ValueError(f"float8 requires {module_name} to provide {', '.join(missing)}, which it lacks; use float8=None")
-        found.update({n: getattr(module, n) for n in names})
-    recipe_cls = found["Float8Recipe"]
-    recipe = recipe_cls.from_name(float8) if isinstance(float8, str) else float8
-    if not isinstance(recipe, recipe_cls):
+    recipe = Float8Recipe.from_name(float8) if isinstance(float8, str) else float8
+    if not isinstance(recipe, Float8Recipe):
         raise TypeError(f"float8 requires None, a recipe name or an asynctp.float8.Float8Recipe, got {type(float8).__name__}")
-    return Float8Matmuls(recipe, found, keep_buffers)
+    return Float8Matmuls(recipe, _API, keep_buffers)
 
 
 class Float8Matmuls:

@@ -1,4 +1,4 @@
-"""The graph cache's bookkeeping (asynctp/ops/graphs.py) on CPU tensors, with a fake capture: the
+"""The graph cache's bookkeeping (asynctp/runtime/graphs.py, lag.py) on CPU tensors, with a fake capture: the
 "graph" re-runs the body and copies its result into the outputs made at capture, as a CUDA graph
 writes into its own output memory. The CUDA capture itself is covered by tests/gpu."""
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asynctp.ops import graphs
+from asynctp.runtime import graphs, lag as lags
 
 
 def fake_capture(cache, body):
@@ -31,7 +31,7 @@ class FakeEvent:
         return self.done
 
 
-class FakeLag(graphs.Lag):
+class FakeLag(lags.Lag):
     """Lag over a settable clock and fake events; gpu_done() finishes every mark so far."""
 
     def __init__(self):
@@ -235,12 +235,12 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
     cache = make_cache(lag)
     # a deep queue: every mark stays unfinished while the host moves on twice LAG_SECONDS a call
     for _ in range(2 + graphs.DECIDE_SIGHTINGS + 3):
-        lag.now += 2 * graphs.LAG_SECONDS
+        lag.now += 2 * lags.LAG_SECONDS
         op(cache, x, w)
     assert cache.counts == {"eager": 2 + graphs.DECIDE_SIGHTINGS + 3, "captured": 0, "replayed": 0}
     assert cache.eager_reasons["gpu-bound"] == 1 + graphs.DECIDE_SIGHTINGS + 3 and cache._count() == 0
     lag.gpu_done()  # decided: the key stays eager although the GPU caught up now
-    lag.now += graphs.LAG_SECONDS
+    lag.now += lags.LAG_SECONDS
     op(cache, x, w)
     assert cache.counts["captured"] == 0
 
@@ -248,7 +248,7 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
     lag2 = FakeLag()
     cache2 = make_cache(lag2)
     for _ in range(4):
-        lag2.now += graphs.LAG_SECONDS
+        lag2.now += lags.LAG_SECONDS
         lag2.gpu_done()
         op(cache2, x, w)
     assert cache2.counts == {"eager": 1, "captured": 1, "replayed": 2}
@@ -257,7 +257,7 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
     lag3 = FakeLag()
     cache3 = make_cache(lag3)
     for i in range(4):
-        lag3.now += 2 * graphs.LAG_SECONDS
+        lag3.now += 2 * lags.LAG_SECONDS
         if i == 2:
             lag3.gpu_done()
         op(cache3, x, w)
@@ -278,7 +278,7 @@ def test_auto_captures_small_calls_regardless_of_the_queue(monkeypatch):
         lag = FakeLag()
         cache = make_cache(lag)
         for _ in range(6):
-            lag.now += 2 * graphs.LAG_SECONDS  # a deep queue: no mark ever finishes
+            lag.now += 2 * lags.LAG_SECONDS  # a deep queue: no mark ever finishes
             op(cache, x, w)
         assert cache.counts == counts, limit
     assert cache._behind[next(iter(cache._behind))] >= graphs.DECIDE_SIGHTINGS
@@ -289,7 +289,7 @@ def test_graphs_setting_one_captures_regardless_of_the_queue(monkeypatch):
     lag, x, w = FakeLag(), torch.ones(2, 3), torch.eye(3)
     cache = make_cache(lag)
     for _ in range(4):
-        lag.now += graphs.LAG_SECONDS
+        lag.now += lags.LAG_SECONDS
         op(cache, x, w)
     assert cache.counts == {"eager": 1, "captured": 1, "replayed": 2} and lag.events == []
 
@@ -297,11 +297,11 @@ def test_graphs_setting_one_captures_regardless_of_the_queue(monkeypatch):
 def test_lag_marks_are_rate_limited_and_read_from_the_newest_old_enough_mark():
     lag = FakeLag()
     lag.mark()
-    lag.now += graphs.MARK_SECONDS / 2
+    lag.now += lags.MARK_SECONDS / 2
     lag.mark()  # too soon: no second event
     assert len(lag.events) == 1
     assert not lag.behind()  # the only mark is younger than LAG_SECONDS
-    lag.now += graphs.LAG_SECONDS
+    lag.now += lags.LAG_SECONDS
     assert lag.behind()  # queued over LAG_SECONDS ago, unfinished
     lag.mark()  # a newer mark, still young: the old one decides
     assert lag.behind() and len(lag.events) == 2
@@ -313,20 +313,20 @@ def test_lag_keeps_marks_back_to_lag_seconds_at_the_busiest_marking_rate():
     """Marks at every MARK_SECONDS for twice LAG_SECONDS, none finished: the queue is deep, and
     the mark that tells so (queued LAG_SECONDS ago) must still be kept."""
     lag = FakeLag()
-    for _ in range(int(2 * graphs.LAG_SECONDS / graphs.MARK_SECONDS)):
+    for _ in range(int(2 * lags.LAG_SECONDS / lags.MARK_SECONDS)):
         lag.mark()
-        lag.now += graphs.MARK_SECONDS
+        lag.now += lags.MARK_SECONDS
     assert lag.behind()
-    for event in lag.events[-int(graphs.LAG_SECONDS / graphs.MARK_SECONDS) + 2 :]:
+    for event in lag.events[-int(lags.LAG_SECONDS / lags.MARK_SECONDS) + 2 :]:
         event.done = True  # only marks younger than LAG_SECONDS finished: still behind
     assert lag.behind()
 
 
 def test_lag_setting_is_checked():
-    assert graphs._lag_seconds("10") == 0.01 and graphs._lag_seconds("0") == 0.0
+    assert lags._lag_seconds("10") == 0.01 and lags._lag_seconds("0") == 0.0
     for bad in ("soon", "-1", "nan", "inf"):
         with pytest.raises(ValueError, match=f"ASYNCTP_GRAPHS_LAG_MS requires a number of milliseconds >= 0, got '{bad}'"):
-            graphs._lag_seconds(bad)
+            lags._lag_seconds(bad)
 
 
 def test_graphs_setting_is_checked(monkeypatch):

@@ -1,0 +1,394 @@
+"""Eager pipelined calls replayed from CUDA graphs, captured per call signature.
+
+Why: an eager pipelined call issues 10-40 launches (copies, GEMMs, events, stream switches,
+barriers). On 2xH200 that took the host 340-550 us per call, longer than the GPU work it issued
+(200-370 us at M 4096), so the eager pipeline lost to serial although its graphed replay beat
+serial by 1.3-1.5x. Replaying a captured graph costs the host about 10 us.
+
+How: a call's key is its op, every input tensor's address, shape, strides and dtype, its scalars
+and the settings that shape the pipeline. A key's first call runs eagerly (warming cuBLAS, sizing
+the workspace); its second is captured on a capture stream and replayed; later calls replay. A
+replay reads the inputs' current contents and writes its outputs into a private pool. Outputs are
+never overwritten while the caller holds them: a graph is replayed only when no tensor outside the
+cache shares its outputs' storage (torch's storage use count); otherwise another graph is captured
+for the key (up to MAX_PER_KEY), or the call runs eagerly.
+
+Safe across ranks: barriers and signals are the same flags, set and reset, whether eager or
+replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or captures. A workspace
+that grows drops its graphs; every rank grows at the same call.
+
+Not used: on CPU, inside the caller's own capture, under torch.compile's tracing, with
+ASYNCTP_GRAPHS=0. A shape with WASTED_PER_SHAPE graphs never replayed (inputs whose addresses recur
+only now and then) is no longer captured, with one warning: a capture costs milliseconds of host
+time. Memory: each graph keeps its intermediates and outputs; at most ASYNCTP_MAX_GRAPHS (64)
+graphs per workspace, least recently used dropped first; clear() drops them all.
+
+When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
+large matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200,
+8B-shaped block, batch 2: 129.8 ms a step with and without graphs; peak reserved 33.9 GiB with,
+17.6 without). So a key is captured only at a sighting where the GPU was less than LAG_SECONDS
+(10 ms, runtime/lag.py) behind the host; a key found behind at DECIDE_SIGHTINGS sightings runs
+eagerly for good ("gpu-bound"). Keys under SMALL_CALL_BYTES of inputs and outputs are captured
+at their second call regardless: little memory, and at a run's start one rank's compilation
+stalls make its peer look "behind" (2xH200, a tiny fp8 model: 21 of 23 calls of one rank left
+eager). ASYNCTP_GRAPHS=1 captures every key at its second call; 0 never captures.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asynctp.config import get_timeout, warn_once
+from asynctp.runtime.lag import Lag
+from asynctp.symm import watchdog
+
+__all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", "GraphCache"]
+
+_ENV = "ASYNCTP_GRAPHS"
+_MAX_ENV = "ASYNCTP_MAX_GRAPHS"
+MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
+DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
+SMALL_CALL_BYTES = 32 << 20  # auto: a key with fewer bytes of inputs + outputs is captured regardless of the queue
+MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
+WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
+_SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent forgotten
+
+_use_count = torch._C._storage_Use_Count
+
+
+def mode() -> str:
+    """ASYNCTP_GRAPHS: "auto" (default), "1" (capture every recurring call) or "0" (never)."""
+    return _parse_mode(os.environ.get(_ENV, "auto"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_mode(raw: str) -> str:
+    # cached: every pipelined call reads the setting (twice: usable() and the cache itself)
+    value = raw.strip().lower()
+    if value in ("", "0"):
+        return "0"
+    if value not in ("1", "auto"):
+        raise ValueError(f"{_ENV} requires 0, 1 or auto, got {raw!r}")
+    return value
+
+
+def enabled() -> bool:
+    return mode() != "0"
+
+
+def usable(ws: Any) -> bool:
+    """Whether this call may go through the graph cache of `ws`."""
+    return (
+        ws is not None
+        and ws.backend == "cuda"
+        and enabled()
+        and not torch.cuda.is_current_stream_capturing()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What of a tensor a captured graph depends on: where it is and how it is laid out."""
+    if t is None:
+        return None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _is_tensor_key(value: tuple) -> bool:
+    """Whether a tuple of a key is a tensor_key() (address, shape, strides, dtype)."""
+    return len(value) == 4 and isinstance(value[0], int) and isinstance(value[3], torch.dtype)
+
+
+def _nbytes(key: Any) -> int:
+    """Bytes of the tensors a key describes (tensor_key tuples anywhere in it)."""
+    if isinstance(key, tuple):
+        if _is_tensor_key(key):
+            return key[1].numel() * key[3].itemsize
+        return sum(_nbytes(v) for v in key)
+    return 0
+
+
+def _flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
+    """(tensors, spec) of an op's result: a tensor, or (tensor or None, [tensors])."""
+    if isinstance(result, torch.Tensor):
+        return [result], None
+    first, outs = result
+    return ([] if first is None else [first]) + list(outs), first is not None
+
+
+def _unflatten(tensors: list[torch.Tensor], spec: Any) -> Any:
+    if spec is None:
+        return tensors[0]
+    return (tensors[0], tensors[1:]) if spec else (None, tensors)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor (not a view: no _base) on t's storage; it raises t's storage use count."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+class _Entry:
+    """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
+
+    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born")
+
+    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, shape: tuple = (),
+                 born: int = 0) -> None:
+        self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
+        self.shape = shape  # its key without the addresses
+        self.born = born  # calls through the cache before it was captured
+        # (StorageImpl pointer, its use count while only this entry holds it) per storage
+        seen: dict[int, int] = {}
+        for t in outs:
+            cdata = t.untyped_storage()._cdata
+            seen[cdata] = _use_count(cdata)
+        self.storages = list(seen.items())
+
+    def free(self) -> bool:
+        """No tensor outside this entry shares an output's storage: a replay may overwrite them."""
+        for cdata, baseline in self.storages:
+            if _use_count(cdata) > baseline:
+                return False
+        return True
+
+    def result(self) -> Any:
+        return _unflatten([_alias(t) for t in self.outs], self.spec)
+
+
+def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+    """Capture body() into a CUDA graph on the cache's capture stream; (graph.replay, result)."""
+    caller = torch.cuda.current_stream()
+    stream = cache.capture_stream()
+    stream.wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    ws = cache.ws
+    with torch.cuda.stream(stream):
+        # thread_local: the watchdog thread's event queries must not invalidate the capture
+        graph.capture_begin(capture_error_mode="thread_local")
+        ws.own_capture = True  # barriers and signals: the stream operations eager calls use
+        try:
+            result = body()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001  (the capture is already invalid)
+                pass
+            raise
+        finally:
+            ws.own_capture = False
+        graph.capture_end()
+    return graph.replay, result
+
+
+class GraphCache:
+    """The captured calls of one workspace (see the module docstring)."""
+
+    def __init__(self, ws: Any, capture: Callable | None = None, lag: Lag | None = None) -> None:
+        self.ws = ws
+        self._capture = capture or _cuda_capture
+        self.lag = lag or Lag()
+        self._generation = ws.generation
+        self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
+        self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> bytes of its inputs + first outputs
+        self._calls = 0  # calls through this cache
+        self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
+        self._off: set[tuple] = set()  # shapes that run eagerly from now on
+        self._behind: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings behind (auto); DECIDE: eager
+        self._stream: torch.cuda.Stream | None = None
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+        # why calls ran eagerly: "new key" (its first sighting: inputs at addresses not seen
+        # lately), "outputs held" (every graph of the key has outputs the caller still holds, and
+        # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
+        # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings)
+        self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.ws.device)
+            # cuBLAS(Lt) sets up a stream's workspace on its first GEMM there: not during capture
+            with torch.cuda.stream(self._stream):
+                x = torch.zeros((16, 16), device=self.ws.device, dtype=torch.bfloat16)
+                torch.mm(x, x)
+                if torch.cuda.get_device_capability(self.ws.device) >= (8, 9):
+                    f8 = x.to(torch.float8_e4m3fn)
+                    one = torch.ones((), device=self.ws.device)
+                    try:
+                        torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16)
+                    except RuntimeError:  # no fp8 GEMM in this build: no fp8 op will be captured
+                        pass
+            torch.cuda.current_stream(self.ws.device).wait_stream(self._stream)
+        return self._stream
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._seen.clear()
+        self._dropped.clear()
+        self._off.clear()
+        self._behind.clear()
+
+    def _stale(self, shape: tuple) -> int:
+        """Graphs of `shape` never replayed although more calls came since their capture than
+        there are graphs (+4): a loop that calls each of its keys once per iteration brings a key
+        back within that many calls (two alternating address sets too: both are captured by then)."""
+        horizon = self._count() + 4
+        return sum(1 for entries in self._entries.values() for e in entries
+                   if e.shape == shape and e.replays == 0 and self._calls - e.born > horizon)
+
+    def _count(self) -> int:
+        return sum(len(v) for v in self._entries.values())
+
+    def call(self, key: tuple, body: Callable[[], Any]) -> Any:
+        """body()'s result, from a replay where possible. key: everything the call depends on
+        (tensor_key() of each input, scalars, settings)."""
+        ws = self.ws
+        if ws.generation != self._generation:  # the buffers (and flags) were replaced
+            self.clear()
+            self._generation = ws.generation
+        self._calls += 1
+        auto = mode() == "auto"
+        if auto:
+            self.lag.mark()
+        entries = self._entries.get(key)
+        if entries is not None:
+            self._entries.move_to_end(key)
+            for entry in entries:
+                if entry.free():
+                    return self._replay(entry)
+        elif auto and self._behind.get(key, 0) >= DECIDE_SIGHTINGS:
+            self._behind.move_to_end(key)
+            return self._eager(body, "gpu-bound")
+        shape = _strip(key)  # (not on the replay path above: it walks the whole key)
+        if shape in self._off or (entries is None and key not in self._seen) or (
+            entries is not None and len(entries) >= MAX_PER_KEY
+        ):
+            reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
+            result = self._eager(body, reason)
+            if reason == "new key":  # (a shape that is off never comes back to be captured)
+                self._seen[key] = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
+                if len(self._seen) > _SEEN_KEYS:
+                    self._seen.popitem(last=False)
+            return result
+        nbytes = self._seen.pop(key, 0)
+        if auto and entries is None and nbytes >= SMALL_CALL_BYTES and self.lag.behind():
+            # an eager call's host time is hidden behind the GPU's queue: no graph (yet)
+            self._behind[key] = self._behind.get(key, 0) + 1
+            self._behind.move_to_end(key)
+            if len(self._behind) > _SEEN_KEYS:
+                self._behind.popitem(last=False)
+            self._seen[key] = nbytes  # its next sighting comes back here
+            return self._eager(body, "gpu-bound")
+        wasted = self._dropped.get(shape, 0) + self._stale(shape)
+        if wasted >= WASTED_PER_SHAPE:
+            self._off.add(shape)
+            for k in [k for k, entries in self._entries.items() if entries[0].shape == shape]:
+                del self._entries[k]
+            warn_once(
+                f"graphs-off:{shape}",
+                f"asynctp {key[0]}: {wasted} CUDA graphs of shape {shape[1:]} were never replayed "
+                f"(their inputs did not come back at the same addresses, or more calls had distinct inputs "
+                f"than {_MAX_ENV}={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
+                f"small sizes); keep such inputs in persistent buffers, raise {_MAX_ENV}, or set {_ENV}=0",
+            )
+            return self._eager(body, "shape off")
+        try:
+            replay, result = self._capture(self, body)
+        except Exception as exc:  # noqa: BLE001
+            self._off.add(shape)
+            warn_once(
+                f"graphs-failed:{key[0]}",
+                f"asynctp {key[0]}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
+                f"calls of this shape run eagerly (host-bound at small sizes); {_ENV}=0 skips capture",
+            )
+            return self._eager(body, "shape off")
+        outs, spec = _flatten(result)
+        del result
+        entry = _Entry(replay, outs, spec, shape, born=self._calls)
+        self._entries.setdefault(key, []).append(entry)
+        self._entries.move_to_end(key)
+        self.counts["captured"] += 1
+        while self._count() > MAX_GRAPHS:
+            oldest, old = next(iter(self._entries.items()))
+            dropped = old.pop(0)
+            if dropped.replays == 0:
+                self._dropped[dropped.shape] = self._dropped.get(dropped.shape, 0) + 1
+            if not old:
+                del self._entries[oldest]
+        return self._replay(entry, captured=True)
+
+    def _eager(self, body: Callable[[], Any], reason: str) -> Any:
+        self.eager_reasons[reason] += 1
+        self.counts["eager"] += 1
+        return body()
+
+    def _replay(self, entry: _Entry, captured: bool = False) -> Any:
+        ws = self.ws
+        if ws.lanes.is_cuda:
+            ws.lanes.replay(entry.replay)  # ordered after the previous op on ws, as Lanes.fork orders ops
+            if ws.uses_stream_ops():
+                ws.pending = watchdog.Pending(ws.op, "the barriers and signals of a CUDA-graph replay", None,
+                                              get_timeout(), abort=True)
+        else:
+            entry.replay()
+        if not captured:  # the replay right after the capture is the capturing call's own
+            entry.replays += 1
+            self.counts["replayed"] += 1
+        return entry.result()
+
+
+def _strip(value: Any) -> Any:
+    """key without the addresses: tensor keys lose their data pointer."""
+    if isinstance(value, tuple):
+        if _is_tensor_key(value):
+            return value[1:]
+        return tuple(_strip(v) for v in value)
+    return value
+
+
+_holders: weakref.WeakSet = weakref.WeakSet()  # workspaces given a cache (closed ones set ws.graphs = None)
+
+
+def cache_of(ws: Any) -> GraphCache:
+    cache = getattr(ws, "graphs", None)
+    if cache is None:
+        cache = ws.graphs = GraphCache(ws)
+        _holders.add(ws)
+    return cache
+
+
+def call(ws: Any, key: tuple, body: Callable[[], Any]) -> Any:
+    """body() of a pipelined call over ws, through ws's graph cache where usable(ws) (see the
+    module docstring)."""
+    if not usable(ws):
+        return body()
+    return cache_of(ws).call(key, body)
+
+
+def _caches(ws: Any | None) -> list[GraphCache]:
+    workspaces = [ws] if ws is not None else list(_holders)
+    return [w.graphs for w in workspaces if getattr(w, "graphs", None) is not None]
+
+
+def clear(ws: Any | None = None) -> None:
+    """Drop the captured graphs (of one workspace, or of every one this process made)."""
+    for cache in _caches(ws):
+        cache.clear()
+
+
+def stats(ws: Any | None = None) -> dict[str, int]:
+    """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
+    workspace this process made), the graphs held, and the eager calls by reason ("eager: new
+    key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache)."""
+    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0,
+             "eager: new key": 0, "eager: outputs held": 0, "eager: shape off": 0, "eager: gpu-bound": 0}
+    for cache in _caches(ws):
+        for k, v in {**cache.counts, "graphs": cache._count(),
+                     **{f"eager: {r}": n for r, n in cache.eager_reasons.items()}}.items():
+            total[k] += v
+    return total
