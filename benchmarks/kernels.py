@@ -1,7 +1,6 @@
 """Times asynctp's persistent GEMMs alone on one GPU against cuBLAS (torch.mm / torch._scaled_mm)
 at the local GEMMs of the benchmark's shape sets: flags set in advance (no wait), the per-chunk
-waits live (flags set, the spin runs), the fused all-gather's call (local rows from their own
-tensor, gathered rows stored), and the reduce-scatter producer. Every config of the table is
+waits live (flags set, the spin runs), the fused all-gather's call (own rows staged), and the reduce-scatter producer. Every config of the table is
 timed, so the tuned choice comes from the same run.
 
     python benchmarks/kernels.py OUT.json [--quick]
@@ -74,7 +73,6 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False) -> list[dict]:
             row["no_wait_us"] = _time(plain)
             row["waits_us"] = _time(waits)
             row["fused_ag_us"] = _fused_ag(a, b, sa, sb, out, world, cfg)
-            row["fused_ag_nostore_us"] = _fused_ag(a, b, sa, sb, out, world, cfg, store=False)
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
@@ -82,21 +80,20 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False) -> list[dict]:
     return rows
 
 
-def _fused_ag(a, b, sa, sb, out, world, cfg, store=True) -> float:
-    """The all-gather's call: rank 0 of `world`, local rows from their own tensor, every remote
-    flag set, the gathered rows stored, flags reset by the kernel (set again before each run)."""
+def _fused_ag(a, b, sa, sb, out, world, cfg) -> float:
+    """The all-gather's call: rank 0 of `world`, the own rows staged, every remote flag set,
+    flags reset by the kernel (set again before each run)."""
     m, k = a.shape
     shard = m // world
     mine = a[:shard].clone()
-    gathered = torch.empty_like(a)
     flags = torch.ones(world, dtype=torch.int32, device="cuda")
     counters = torch.zeros(world, dtype=torch.int32, device="cuda")
-    scale_local = sa[:shard].clone() if sa is not None else None
 
     def run():
         flags.fill_(1)
-        launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), a_local=mine, gathered=gathered if store else None,
-               counters=counters, a_scale=sa, a_scale_local=scale_local, b_scale=sb, config=cfg)
+        a[:shard].copy_(mine)  # the staging copy of the own rows
+        launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), counters=counters, a_scale=sa,
+               b_scale=sb, config=cfg)
 
     return _time(run)
 
@@ -145,7 +142,7 @@ def main(argv=None) -> None:
                 result["producer"].append(bench_producer(label, m, n, k, fp8))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} {'noStore':>8} ratio")
+    print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} ratio")
     for r in result["gemm"]:
         c = r["config"]
         tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}"
@@ -153,7 +150,7 @@ def main(argv=None) -> None:
             print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['error'][:60]}")
             continue
         print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['cublas_us']:7.1f} {r['no_wait_us']:7.1f} "
-              f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r['fused_ag_nostore_us']:8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
+              f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
     for r in result["producer"]:
         print(f"producer {r['shape']:20} {r['dtype']:12} cublas {r['cublas_us']:.1f} "
               f"producer {r.get('producer_us', float('nan')):.1f} {r.get('error', '')[:80]}")

@@ -9,9 +9,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels.configs import Config
 
-_TMA_STRIDE_LIMIT = 1 << 40  # bytes: the largest stride a TMA descriptor takes
-
-
 @triton.jit
 def _spin(flag_ptr):
     """Wait until the flag is non-zero (acquire, system scope: a peer's stream write sets it)."""
@@ -35,13 +32,12 @@ def _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _ag_mm_kernel(
-    a_desc, b_desc, c_desc, g_desc,
-    sig_ptr, cnt_ptr, a_scale_ptr, a_scale_local_ptr, b_scale_ptr, bias_ptr,
-    M, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, ws_index,
+    a_desc, b_desc, c_desc,
+    sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src,
     sig_src, sig_blk, out_src, out_blk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    ALIGNED: tl.constexpr, WAIT: tl.constexpr, RESET: tl.constexpr, LOCAL: tl.constexpr,
-    STORE_A: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr, WAIT: tl.constexpr, RESET: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -81,21 +77,11 @@ def _ag_mm_kernel(
                 c_hi = (tl.minimum(row_a + BM, M) - 1) // chunk_rows
                 for cc in range(c_lo, c_hi + 1):
                     _spin(sig_ptr + cc * sig_src)
-        is_local = src == local_src
-        if LOCAL:
-            sel = tl.where(is_local, 1 - ws_index, ws_index)
-            row_load = tl.where(is_local, row_a - local_src * rows_per_src, row_a)
         off_n = pn * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BK
-            if LOCAL:
-                a = a_desc.load([sel, row_load, off_k]).reshape(BM, BK)
-            else:
-                a = a_desc.load([row_a, off_k])
-            if STORE_A:
-                if ki % num_pid_n == pn:
-                    g_desc.store([row_out, off_k], a)
+            a = a_desc.load([row_a, off_k])
             if B_TRANS:
                 acc = tl.dot(a, b_desc.load([off_n, off_k]).T, acc)
             else:
@@ -105,13 +91,7 @@ def _ag_mm_kernel(
             acc = acc * tl.load(a_scale_ptr)
         if A_SCALE == 2:
             rows = tl.arange(0, BM)
-            if LOCAL:
-                if is_local:
-                    sa = tl.load(a_scale_local_ptr + row_load + rows)
-                else:
-                    sa = tl.load(a_scale_ptr + row_a + rows)
-            else:
-                sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
+            sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
             acc = acc * sa[:, None]
         if B_SCALE == 1:
             acc = acc * tl.load(b_scale_ptr)
@@ -132,38 +112,16 @@ def _scale_mode(scale: torch.Tensor | None) -> int:
     return 0 if scale is None else (1 if scale.numel() == 1 else 2)
 
 
-def _a_descriptor(a: torch.Tensor, a_local: torch.Tensor | None, bm: int, bk: int):
-    """(descriptor, index of the workspace rows in it). With a_local, one 3-D descriptor over both
-    allocations: index 0 is the lower address, index 1 the other, one stride apart."""
-    k = a.shape[1]
-    if a_local is None:
-        return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk]), 0
-    lo, hi = (a, a_local) if a.data_ptr() <= a_local.data_ptr() else (a_local, a)
-    gap = hi.data_ptr() - lo.data_ptr()
-    stride = gap // a.element_size()
-    desc = TensorDescriptor(lo, [2, a.shape[0], k], [stride, k, 1], [1, bm, bk])
-    return desc, (0 if lo is a else 1)
-
-
-def local_descriptor_ok(a: torch.Tensor, a_local: torch.Tensor) -> bool:
-    """Whether one 3-D TMA descriptor can address both allocations (see _a_descriptor)."""
-    gap = abs(a.data_ptr() - a_local.data_ptr())
-    return gap % 16 == 0 and 0 < gap < _TMA_STRIDE_LIMIT and a_local.stride(0) == a.shape[1]
-
-
-def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, a_local, gathered,
-           counters, a_scale, a_scale_local, b_scale, bias, cfg: Config, num_sms: int) -> None:
+def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
+           bias, cfg: Config, num_sms: int) -> None:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_total, k = n * chunk_rows, a.shape[1]
     nn_ = out.shape[1]
     aligned = chunk_rows % bm == 0
-    if a_local is not None and not (aligned and local_descriptor_ok(a, a_local)):
-        raise ValueError("async_input_mm: the local rows need aligned chunks and a TMA-addressable gap")
-    a_desc, ws_index = _a_descriptor(a, a_local, bm, bk)
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
     b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
                               [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
     c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
-    g_desc = TensorDescriptor(gathered, [m_total, k], [k, 1], [bm, bk]) if gathered is not None else c_desc
     rows_per_src = chunk_rows * cmap.blocks
     out_src = rows_per_src if cmap.out_src is None else cmap.out_src
     out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
@@ -171,15 +129,14 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     grid = (max(1, min(num_sms, tiles)),)
     dummy = out
     _ag_mm_kernel[grid](
-        a_desc, b_desc, c_desc, g_desc,
+        a_desc, b_desc, c_desc,
         signals if signals is not None else dummy, counters if counters is not None else dummy,
-        a_scale if a_scale is not None else dummy, a_scale_local if a_scale_local is not None else dummy,
+        a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
-        m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, ws_index,
+        m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
         sig_src, sig_blk, out_src, out_blk,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
-        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
-        STORE_A=gathered is not None, B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
+        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
         HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )

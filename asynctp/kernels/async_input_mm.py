@@ -11,15 +11,11 @@ spins on its chunk's flag (an acquire load at system scope: the flag is written 
 stream memory operation after a copy-engine transfer). Nothing it waits for needs an SM, so it
 may hold every SM without deadlock: the producers must be copy engines and stream writes.
 
-Two extensions serve the fused all-gather -> matmul (asynctp.ops):
-- a chunk map: chunk c = (src, blk) = divmod(c, S) reads A rows src * m + blk * chunk_rows of the
-  workspace, its flag at signals + src * sig_src + blk * sig_blk, and writes out rows
-  src * out_src + blk * out_blk (front order: out_src = m; batch-major runs: out_src = segment,
-  out_blk = R * segment), so outputs land in the caller's row order;
-- the local chunk (src == local_src) is read from the caller's shard instead of the workspace
-  (no staging copy) through one 3-D TMA descriptor whose leading index picks the allocation, and
-  with `gathered` the tiles also store the A rows they load (each N-tile column stores every
-  n-th K-tile), so the gathered input is written without another pass over memory.
+A chunk map serves the fused all-gather -> matmul (asynctp.ops): chunk c = (src, blk) =
+divmod(c, S) reads A rows src * m + blk * chunk_rows of the workspace, its flag at signals +
+src * sig_src + blk * sig_blk, and writes out rows src * out_src + blk * out_blk (front order:
+out_src = m; batch-major runs: out_src = segment, out_blk = R * segment), so outputs land in the
+caller's row order; the local source's flags (src == local_src) are never awaited.
 With `counters` (int32, zeroed, one per chunk) the last tile of a chunk resets its flag to 0, so
 the flags are ready for the next call without a host-side write.
 
@@ -44,7 +40,7 @@ class ChunkMap:
     """Where chunk c = (src, blk) = divmod(c, blocks) lives (see the module docstring)."""
 
     blocks: int = 1  # S: blocks per source rank
-    local_src: int = -1  # the source whose rows come from `a_local` (-1: none)
+    local_src: int = -1  # the source whose flags are never awaited: its rows are staged (-1: none)
     out_src: int | None = None  # output row stride per source (None: rows_per_src)
     out_blk: int | None = None  # output row stride per block (None: chunk_rows)
 
@@ -153,11 +149,8 @@ def launch(
     pivot: int,
     cmap: ChunkMap,
     *,
-    a_local: torch.Tensor | None = None,
-    gathered: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
-    a_scale_local: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: Config | None = None,
@@ -165,21 +158,18 @@ def launch(
     """Launch the GEMM (CUDA tensors, arguments already checked by the caller).
 
     sig_strides: (number of chunks n, flag stride per source, flag stride per block), in flags;
-    signals None: no waits (every row already in place). a: the workspace rows (rank-major);
-    a_local: the local source's rows (cmap.local_src), read instead of a's."""
+    signals None: no waits (every row already in place). a: the workspace rows (rank-major)."""
     from asynctp.kernels import _ag_kernel as kern
 
     n, sig_src, sig_blk = sig_strides
     m_total, k = a.shape
-    if a_local is not None:
-        m_total = n * chunk_rows
     nn_ = b.shape[1]
     cfg = config or pick_config(a.dtype, m_total, nn_, k, chunk_rows)
     b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): [N, K] row-major underneath
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
     kern.launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap,
-                a_local, gathered, counters, a_scale, a_scale_local, b_scale, bias, cfg, sm_count(a.device))
+                counters, a_scale, b_scale, bias, cfg, sm_count(a.device))
 
 
 def available(a: torch.Tensor, chunk_rows: int, config: Config | None = None) -> str | None:

@@ -16,6 +16,7 @@ from asynctp.ops.reference import all_gather_matmul_serial, all_gather_rows, mat
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_all_gather_matmul
+from asynctp.runtime import kernel_path
 from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["all_gather_matmul", "all_gather_contract"]
@@ -92,10 +93,10 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
 
     def body():
         return _pipelined(ws, gather_layout(a_shard, dim, world, batch_major=True), bs, biases, return_a, splits,
-                          lockstep)
+                          lockstep, fused=chosen == "fused")
 
     key = ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
-           tuple(map(tensor_key, biases)), return_a, splits, lockstep, graphs.settings())
+           tuple(map(tensor_key, biases)), return_a, splits, lockstep, chosen, graphs.settings())
     return graphs.call(ws, key, body)
 
 
@@ -124,9 +125,15 @@ def _gather(ws_or_group, lay: GatherLayout, rows: torch.Tensor, consume, splits:
 
 def _pipelined(
     ws: Workspace | Any, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int,
-    lockstep: bool, ring: bool = False,
+    lockstep: bool, ring: bool = False, fused: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """ws: the workspace, or the process group when ring=True."""
+    """ws: the workspace, or the process group when ring=True. fused: the single-launch GEMM
+    where it serves the call (runtime/kernel_path.py), else the decomposition."""
+    if fused and kernel_path.gather_available(ws, lay.shard_2d, lay.segment, lay.k_mode,
+                                                 min(b.shape[1] for b in bs)) is None:
+        rows, out_rows = kernel_path.gather_matmul(ws, lay.shard_2d, bs, biases, segment=lay.segment,
+                                                   keep_gathered=return_a)
+        return (None if rows is None else lay.a_gathered(rows)), [lay.restore(o) for o in out_rows]
     # the gathered rows are materialized only for the caller (or the ring, which receives into
     # them); the workspace's push gather hands the consumer its blocks where they landed
     rows = lay.new_rows(lay.shard_2d.shape[1]) if (return_a or ring) else None

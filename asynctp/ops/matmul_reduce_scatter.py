@@ -16,6 +16,7 @@ from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
 from asynctp.ops.validate import check_matmul_reduce_scatter
+from asynctp.runtime import kernel_path
 from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["matmul_reduce_scatter", "matmul_sum_reduce_scatter", "concat_terms"]
@@ -142,10 +143,11 @@ def _run_terms(a_list, b_list, dim, group, reduce_op, bias, strategy):
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
 
     def body():
-        return _pipelined(ws, [scatter_layout(t, dim, world, batch_major=True) for t in a_list], b_list, reduce_op, bias, splits)
+        return _pipelined(ws, [scatter_layout(t, dim, world, batch_major=True) for t in a_list], b_list, reduce_op, bias,
+                          splits, fused=chosen == "fused")
 
     key = ("matmul_reduce_scatter", *map(tensor_key, a_list), *map(tensor_key, b_list), tensor_key(bias), dim, reduce_op,
-           splits, graphs.settings())
+           splits, chosen, graphs.settings())
     return graphs.call(ws, key, body)
 
 
@@ -159,13 +161,17 @@ def _(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
 
 def _pipelined(
     ws: Workspace | Any, lays: list[ScatterLayout], bs: list[torch.Tensor], reduce_op: str, bias: torch.Tensor | None,
-    splits: int, ring: bool = False,
+    splits: int, ring: bool = False, fused: bool = False,
 ) -> torch.Tensor:
     """ws: the workspace, or the process group when ring=True. lays[i] @ bs[i] summed (one term:
     a plain matmul); the layouts share their row structure (same leading shape and dim)."""
     world, rank = (ws.size(), ws.rank()) if ring else (ws.world_size, ws.rank)
     lay = lays[0]
     n = bs[0].shape[1] // world
+    if fused and len(bs) == 1 and kernel_path.scatter_available(ws, lay.a_2d, bs[0].shape[1], lay.segment,
+                                                                    lay.n_mode) is None:
+        bias_n = None if bias is None else bias_chunk(lay, bias, rank)
+        return lay.restore(kernel_path.matmul_scatter(ws, lay.a_2d, bs[0], reduce_op, bias_n, segment=lay.segment))
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:

@@ -42,4 +42,8 @@ def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple
     ws = get_workspace(group, device)
     if ws is None:
         return ("ring" if requested == "auto" and ring_pays(device, shape_key) else "serial"), None
+    if requested == "auto" and strategy == "pipeline" and device.type == "cuda" and op == "matmul_reduce_scatter":
+        # the single-launch GEMM where it serves the call (else the decomposition): measured as
+        # fast or faster for the reduce-scatter, slower for the all-gather (docs/performance.md)
+        strategy = "fused"
     return strategy, ws

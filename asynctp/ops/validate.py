@@ -22,7 +22,7 @@ __all__ = [
     "check_matmul_reduce_scatter",
 ]
 
-STRATEGIES = ("auto", "serial", "pipeline", "ring")
+STRATEGIES = ("auto", "serial", "pipeline", "fused", "ring")
 REDUCE_OPS = ("sum", "avg")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

@@ -4,8 +4,8 @@ on the copy stream, ONE persistent GEMM on the caller's stream that waits per ch
 all-gather -> matmul, rank r of R (chunk = one rank's rows, or one batch-major run of them):
     copy stream:  barrier(0) | push the shard into slot r of r-1, r-2, ... (copy engine),
                   then put_signal(that peer, chunk)
-    caller:       async_input_mm over the workspace rows, pivot = r's own chunk (read from the
-                  caller's shard, no staging copy), then r+1, r+2, ... as their flags arrive;
+    caller:       the shard copied into the own slot, then async_input_mm over the workspace
+                  rows, pivot = r's own chunk, then r+1, r+2, ... as their flags arrive;
                   it also stores the gathered rows when the caller keeps them; the kernel resets
                   the flags. Further weights of the same gather: the same GEMM without waits.
 matmul -> reduce-scatter, rank r:
@@ -114,8 +114,8 @@ def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_m
 def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,
                   keep_gathered: bool, a_scale: torch.Tensor | None = None, scale_rows: torch.Tensor | None = None,
                   b_scales: list | None = None, out_dtype: torch.dtype | None = None):
-    """(gathered rows [R * m, K] or None, outputs [R * m, N_i]), both in the caller's row order
-    (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment). fp8:
+    """(gathered rows [R * m, K] rank-major or None, outputs [R * m, N_i] in the caller's row
+    order (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment)). fp8:
     a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows)."""
     world, rank = ws.world_size, ws.rank
     m, k = shard_2d.shape
@@ -134,6 +134,12 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     cmap = ChunkMap(blocks=blocks, local_src=rank, out_src=segment or None, out_blk=world * segment or None)
     lanes = ws.lanes
     lanes.fork()
+    # the own rows staged in the own slot on the caller's stream, ahead of the GEMM (the local
+    # operand through a second TMA descriptor computed wrong products on H100: see
+    # docs/performance.md)
+    all_rows[rank * m : (rank + 1) * m].copy_(shard_2d)
+    if all_scales is not None:
+        all_scales[rank * m : (rank + 1) * m].copy_(scale_rows)
     with lanes.copy():
         ws.barrier(channel=0)
         for step in range(1, world):
@@ -153,9 +159,10 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     a_scale_ws = all_scales if scale_rows is not None else a_scale
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
         first = i == 0
-        launch(all_rows, b, outs[i], flags if first else None, sig, rows, rank * blocks, cmap, a_local=shard_2d,
-               gathered=gathered if first else None, counters=counters if first else None, a_scale=a_scale_ws,
-               a_scale_local=scale_rows, b_scale=b_scale, bias=bias)
+        launch(all_rows, b, outs[i], flags if first else None, sig, rows, rank * blocks, cmap,
+               counters=counters if first else None, a_scale=a_scale_ws, b_scale=b_scale, bias=bias)
+    if gathered is not None:  # rank-major, as the decomposition's rows (see gather_matmul's docstring)
+        gathered.copy_(all_rows)
     lanes.join()
     return gathered, outs
 

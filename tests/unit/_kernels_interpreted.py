@@ -1,0 +1,37 @@
+"""Run by tests/unit/test_kernels.py under TRITON_INTERPRET=1: the kernels on CPU tensors."""
+
+import torch
+
+from asynctp.kernels import _ag_kernel as kern
+from asynctp.kernels.async_input_mm import ChunkMap
+from asynctp.kernels.configs import Config
+from asynctp.kernels.producer_mm import launch_producer, producer_mm_reference
+
+torch.manual_seed(0)
+cfg = Config(16, 16, 16, group_m=2, stages=1, warps=4)
+a = torch.randint(-3, 4, (64, 40)).float()
+b = torch.randint(-3, 4, (40, 48)).float()
+out = torch.full((64, 48), float("nan"))
+kern.launch(a, b, False, out, torch.ones(4, dtype=torch.int32), 4, 1, 0, 16, 1, ChunkMap(), None, None, None, None, cfg, 3)
+assert torch.equal(out, a @ b)
+a2 = torch.randint(-3, 4, (60, 40)).float()
+out2 = torch.full((60, 48), float("nan"))
+kern.launch(a2, b.t().contiguous().t(), True, out2, torch.ones(3, dtype=torch.int32), 3, 1, 0, 20, 2, ChunkMap(),
+            None, None, None, None, cfg, 3)
+assert torch.equal(out2, a2 @ b)  # ragged chunks (20 rows, 16-row tiles), weight.t()
+flags = torch.ones(8, dtype=torch.int32)
+counters = torch.zeros(4, dtype=torch.int32)
+kern.launch(a, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, None, None, None, cfg, 3)
+assert torch.equal(out, a @ b) and flags.tolist() == [0, 1, 0, 1, 1, 1, 1, 1] and counters.count_nonzero() == 0
+for rank in range(3):
+    a3 = torch.randint(-3, 4, (3 * 32, 24)).float()
+    received = torch.randint(-3, 4, (3, 32, 40)).float()
+    parts = torch.full((2, 32, 40), float("nan"))
+    out3 = torch.full((32, 40), float("nan"))
+    b3 = torch.randint(-3, 4, (24, 40)).float()
+    cnt = torch.zeros(3 * 2 + 2, dtype=torch.int32)
+    launch_producer(a3, b3, parts, received, out3, rank, 3, 2, (32, 16), torch.ones(6, dtype=torch.int32), (1, 3), cnt,
+                    config=cfg)
+    ref_parts, ref_out = producer_mm_reference(a3, b3, rank, 3, 2, list(received))
+    assert all(torch.equal(parts[i], ref_parts[i]) for i in range(2)) and torch.equal(out3, ref_out)
+print("ok")

@@ -1,0 +1,99 @@
+"""asynctp.kernels on CPU: the references keep the kernels' chunk order and are exact; the
+reduce-scatter producer's schedule never makes a block wait for work queued behind it; with
+Triton installed, the kernels themselves run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from asynctp.kernels import async_input_mm, chunk_order
+from asynctp.kernels.producer_mm import OWN, PEER, producer_mm_reference, schedule
+
+
+def test_chunk_order_starts_at_the_pivot():
+    assert chunk_order(4, 0) == [0, 1, 2, 3]
+    assert chunk_order(4, 3) == [3, 0, 1, 2]
+
+
+@pytest.mark.parametrize("pivot", [0, 1, 2])
+def test_reference_is_exact(pivot):
+    a = torch.randint(-4, 5, (48, 20)).float()
+    b = torch.randint(-4, 5, (20, 12)).float()
+    bias = torch.randint(-4, 5, (12,)).float()
+    flags = torch.ones(3, dtype=torch.int32)
+    assert torch.equal(async_input_mm(a, b, flags, pivot), a @ b)
+    assert torch.equal(async_input_mm(a, b, flags, pivot, bias=bias), a @ b + bias)
+
+
+def test_reference_scales_rowwise():
+    a = torch.randint(-4, 5, (16, 8)).float()
+    b = torch.randint(-4, 5, (8, 6)).float()
+    sa, sb = torch.rand(16, 1), torch.rand(1, 6)
+    out = async_input_mm(a, b, torch.ones(2, dtype=torch.int32), 1, a_scale=sa, b_scale=sb, out_dtype=torch.float32)
+    torch.testing.assert_close(out, (a @ b) * sa * sb)
+
+
+def test_bad_arguments_raise():
+    a, b = torch.zeros(10, 4), torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="divisible by the number of chunk signals"):
+        async_input_mm(a, b, torch.ones(3, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="pivot"):
+        async_input_mm(a, b, torch.ones(2, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[K, N\]"):
+        async_input_mm(a, torch.zeros(5, 3), torch.ones(2, dtype=torch.int32), 0)
+
+
+@pytest.mark.parametrize("world,blocks", [(2, 1), (2, 3), (3, 2), (4, 2), (8, 1)])
+def test_schedule_cannot_deadlock(world, blocks):
+    """Own block j of rank r waits for item (PEER, r, j) of every peer. It must be possible to
+    finish every item in order on every rank: a wait only on items that precede it nowhere
+    behind a waiting item (induction over the ranks' positions)."""
+    scheds = [schedule(r, world, blocks) for r in range(world)]
+    for sched in scheds:
+        assert sorted(x for x in sched if x[0] == OWN) == [(OWN, sched[-1][1], j) for j in range(blocks)]
+        assert len([x for x in sched if x[0] == PEER]) == (world - 1) * blocks
+    pos = [0] * world
+    done = [set() for _ in range(world)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(world):
+            while pos[r] < len(scheds[r]):
+                kind, dst, j = scheds[r][pos[r]]
+                if kind == OWN and not all((PEER, r, j) in done[p] for p in range(world) if p != r):
+                    break
+                done[r].add((kind, dst, j))
+                pos[r] += 1
+                progress = True
+    assert all(p == len(s) for p, s in zip(pos, scheds))
+
+
+def test_producer_reference_is_the_reduce_scatter():
+    world, blocks, m = 3, 2, 4
+    a = [torch.randint(-3, 4, (world * m, 5)).float() for _ in range(world)]
+    b = [torch.randint(-3, 4, (5, 6)).float() for _ in range(world)]
+    zeros = [torch.zeros(m, 6)] * world
+    parts = [producer_mm_reference(a[r], b[r], r, world, blocks, zeros)[0] for r in range(world)]
+    for r in range(world):
+        received = [None if s == r else parts[s][(r - s) % world - 1] for s in range(world)]
+        _, out = producer_mm_reference(a[r], b[r], r, world, blocks, received)
+        want = sum(a[s][r * m : (r + 1) * m] @ b[s] for s in range(world))
+        assert torch.equal(out, want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+def test_kernels_in_triton_interpreter():
+    """The Triton kernels themselves, run by TRITON_INTERPRET=1 in a fresh process."""
+    script = os.path.join(os.path.dirname(__file__), "_kernels_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    if "numpy" in res.stderr and "0-dimensional" in res.stderr:
+        pytest.skip("this Triton's interpreter does not run with this numpy")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().endswith("ok"), res.stdout
