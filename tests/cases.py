@@ -470,7 +470,7 @@ def _compare_to_serial(name, call, flat, where):
 
 
 def graph_replays() -> list[dict]:
-    """Pipelined calls replayed from asynctp's own CUDA graphs (asynctp/ops/graphs.py), for the
+    """Pipelined calls replayed from asynctp's own CUDA graphs (asynctp/runtime/graphs.py), for the
     four fused ops: inputs changed in place between calls are read anew, every result equals the
     serial strategy's exactly (small integers), an output the caller holds is never overwritten,
     and a rank that runs eagerly (ASYNCTP_GRAPHS=0 on the last rank, second round) interoperates

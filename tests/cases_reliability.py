@@ -148,7 +148,7 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     wait; after it, a synchronize must raise, not hang. Returns what the watchdog logged and how
     the synchronize ended (the context is lost: the test throws this pool away).
     replay: the op is called three times on every rank first, so the stuck call is replayed
-    from asynctp's CUDA graph (ops/graphs.py)."""
+    from asynctp's CUDA graph (runtime/graphs.py)."""
     import faulthandler
     import logging
 

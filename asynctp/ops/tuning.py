@@ -24,7 +24,7 @@ _CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _MAX_SPLITS = 8  # the signal channels of the blocks must fit the workspace's flags
 _forced: int | None = None  # row blocks per rank chunk set by forced_splits (tests of multi-block plans)
 # Total matmul FLOPs under which a pipeline is not assumed to pay, without a tuning entry. On
-# 2xH200 with eager calls replayed from CUDA graphs (ops/graphs.py) the pipeline
+# 2xH200 with eager calls replayed from CUDA graphs (runtime/graphs.py) the pipeline
 # beat serial at every seed shape from M 2048 (N 3584, K 8192), bf16 and fp8; before those
 # graphs, eager calls were host-bound and fp8 lost everywhere.
 _MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192

@@ -5,7 +5,7 @@ reverse) is a cudaMemcpyAsync that runs on a copy engine and leaves every SM to 
 signals are stream memory operations on flags in the signal pad (streamops.py: no SM, a few
 microseconds of host time each). Where the driver lacks them, with TORCH_SIGNALS set, and
 in a CUDA graph the caller captures, torch's stream-ordered signal-pad kernels: those time out on
-their own, unwatched (asynctp's own graphs, ops/graphs.py, capture the stream operations and the
+their own, unwatched (asynctp's own graphs, runtime/graphs.py, capture the stream operations and the
 watchdog watches their replays). Multicast is never used.
 
 Flags are set by the peer and reset by their owner after the wait. A flag's next set must come
@@ -22,7 +22,7 @@ depends on), and each rank waits for exactly its own signature in every peer's f
 made different calls never pass the barrier, so no data moves and no result is returned: the
 watchdog names the op, the rank, the peer and the signature it expected once the timeout
 passes, then aborts the CUDA context (as for any stuck wait). All other flags are set to 1.
-A graph captured by ops/graphs.py replays the signature of the call it captured, which is the
+A graph captured by runtime/graphs.py replays the signature of the call it captured, which is the
 signature of every call it serves (its key holds the same fields). The torch signal-kernel
 fallback (no stream memory operations, or a graph the caller captures) does not compare.
 
@@ -78,7 +78,7 @@ class CudaWorkspace(Workspace):
         self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
         self._awaited: dict[int, int] = {}  # own flags a wait was enqueued on: address -> value awaited
-        self.own_capture = False  # set by ops/graphs.py while it captures a call
+        self.own_capture = False  # set by runtime/graphs.py while it captures a call
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
         # made now: when the watchdog needs them, this process's streams may all be stuck
@@ -148,7 +148,7 @@ class CudaWorkspace(Workspace):
 
     def _watch(self, what: str, peer: int | None, seconds: float) -> bool:
         """Record a wait for the watchdog; returns whether it is a stream memory operation.
-        A wait captured into a CUDA graph runs at replay: ops/graphs.py watches the replay."""
+        A wait captured into a CUDA graph runs at replay: runtime/graphs.py watches the replay."""
         if torch.cuda.is_current_stream_capturing():
             return self._ops is not None and self.own_capture
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)

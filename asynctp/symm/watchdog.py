@@ -11,7 +11,7 @@ CUDA context itself (CudaWorkspace.abort_device: every awaited flag set, so no
 stream stays stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
 process raises instead of hanging.
 
-A call replayed from asynctp's own CUDA graph (ops/graphs.py) is watched as one wait, "the
+A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as one wait, "the
 barriers and signals of a CUDA-graph replay", with the same abort. Not covered: waits in a graph
 the caller captured (torch's kernels are used there, which trap on their own). Verified on 2xH200
 by tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
