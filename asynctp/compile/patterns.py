@@ -24,6 +24,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from asynctp.compile.matmuls import MATMULS, RESHAPES, Matmul, consumer_matmuls, producer_matmul, tensor_of
+from asynctp.compile.matmuls import arg as _arg
+
 __all__ = [
     "Gather",
     "ReduceScatter",
@@ -39,24 +42,11 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
-MATMULS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
 
 
 def _c10d() -> Any:
     return torch.ops._c10d_functional
-
-
-def tensor_of(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def ancestors(node: fx.Node) -> set[fx.Node]:
@@ -97,29 +87,6 @@ class ReduceScatter:
     group_name: str
     nodes: list[fx.Node] = field(default_factory=list)
     problem: str | None = None
-
-
-@dataclass
-class Matmul:
-    """out = a @ b (+ bias): `a` is N-D, `pre` reshapes it to 2-D, `mm` is the 2-D matmul, `post`
-    holds reshapes of the product back to a.shape[:-1] + (N,)."""
-
-    mm: fx.Node
-    a: fx.Node
-    b: fx.Node
-    pre: fx.Node | None
-    post: list[fx.Node]
-    bias: fx.Node | None = None
-    scaled: bool = False
-    scale_a: fx.Node | None = None
-    scale_b: fx.Node | None = None
-    out_dtype: torch.dtype | None = None
-    use_fast_accum: bool = False
-    problem: str | None = None  # set when this matmul cannot be folded in
-    a_shape: tuple[int, ...] | None = None  # A is 2-D with no N-D source: reshape it to this first
-
-    def arg_nodes(self) -> list[fx.Node]:
-        return [n for n in (self.b, self.bias, self.scale_a, self.scale_b) if isinstance(n, fx.Node)]
 
 
 def _chunks_in_order(parts: Any, source: fx.Node, num: int, dim: int) -> bool:
@@ -337,111 +304,3 @@ def find_reduce_scatters(graph: fx.Graph) -> list[ReduceScatter]:
     return found
 
 
-def _is_flatten_to_2d(node: fx.Node, src: fx.Node) -> bool:
-    out, inp = tensor_of(node), tensor_of(src)
-    return (
-        out is not None and inp is not None and inp.ndim >= 2 and out.ndim == 2
-        and out.shape[1] == inp.shape[-1] and out.shape[0] == prod(inp.shape[:-1])
-    )
-
-
-def _matmul_at(mm: fx.Node, a: fx.Node, pre: fx.Node | None, a_shape: tuple[int, ...] | None = None) -> Matmul:
-    if mm.target is aten.addmm.default:
-        m = Matmul(mm, a, mm.args[2], pre, [], bias=mm.args[0])
-        if _arg(mm, 3, "beta", 1) != 1 or _arg(mm, 4, "alpha", 1) != 1:
-            m.problem = "addmm with beta or alpha other than 1"
-        bias, b = tensor_of(m.bias), tensor_of(m.b)
-        if bias is None or b is None or tuple(bias.shape) != (b.shape[1],):
-            m.problem = "the addmm bias is not a 1-D (N,) vector"
-    elif mm.target is aten._scaled_mm.default:
-        m = Matmul(
-            mm, a, mm.args[1], pre, [], bias=_arg(mm, 4, "bias"), scaled=True,
-            scale_a=mm.args[2], scale_b=mm.args[3], out_dtype=_arg(mm, 6, "out_dtype"),
-            use_fast_accum=bool(_arg(mm, 7, "use_fast_accum", False)),
-        )
-        if _arg(mm, 5, "scale_result") is not None:
-            m.problem = "_scaled_mm with a result scale"
-    else:
-        m = Matmul(mm, a, mm.args[1], pre, [])
-    m.a_shape = a_shape
-    a_val, out = tensor_of(a), tensor_of(mm)
-    if a_val is not None and out is not None:
-        want = tuple(a_shape or a_val.shape)[:-1] + (out.shape[1],)
-        m.post = [u for u in mm.users if u.target in RESHAPES and tensor_of(u) is not None
-                  and tuple(tensor_of(u).shape) == want]
-    return m
-
-
-def _mm_a_index(mm: fx.Node) -> int:
-    return 1 if mm.target is aten.addmm.default else 0
-
-
-def consumer_matmuls(result: fx.Node) -> tuple[list[Matmul], list[str]]:
-    """Matmuls whose A is `result` (directly when 2-D, else through a flattening reshape), and a
-    note for each matmul that uses `result` in another way."""
-    found: list[Matmul] = []
-    notes: list[str] = []
-    val = tensor_of(result)
-    for user in result.users:
-        if user.target in MATMULS:
-            if user.args[_mm_a_index(user)] is result and val is not None and val.ndim == 2:
-                found.append(_matmul_at(user, result, None))
-            else:
-                notes.append(f"the gathered tensor is B of {user.name}")
-        elif user.target in RESHAPES and _is_flatten_to_2d(user, result):
-            for mm in user.users:
-                if mm.target in MATMULS and mm.args[_mm_a_index(mm)] is user:
-                    found.append(_matmul_at(mm, result, user))
-    return found, notes
-
-
-def _unflattened_a_shape(post: fx.Node, a: Any) -> tuple[int, ...] | None:
-    """The N-D shape of a 2-D A [M, K] whose product [M, N] is reshaped to lead + (N,) with
-    prod(lead) == M (lead keeps the rows in order, so A reshaped to lead + (K,) gives the same
-    product), or None."""
-    out, a_val = tensor_of(post), tensor_of(a)
-    if out is None or a_val is None or a_val.ndim != 2 or out.ndim < 3:
-        return None
-    if prod(out.shape[:-1]) != a_val.shape[0]:
-        return None
-    return (*out.shape[:-1], a_val.shape[1])
-
-
-def producer_matmul(node: fx.Node) -> tuple[Matmul | None, str | None]:
-    """The matmul that produced `node` (2-D mm, reshape -> mm -> reshape back, or a 2-D A -> mm
-    -> reshape to N-D), or why none."""
-    if node.target in MATMULS:
-        return _matmul_at(node, node.args[_mm_a_index(node)], None), None
-    if node.target in RESHAPES and isinstance(node.args[0], fx.Node) and node.args[0].target in MATMULS:
-        mm = node.args[0]
-        pre = mm.args[_mm_a_index(mm)]
-        if isinstance(pre, fx.Node) and pre.target in RESHAPES and _is_flatten_to_2d(pre, pre.args[0]):
-            m = _matmul_at(mm, pre.args[0], pre)
-            if node not in m.post:
-                return None, "the reshape after the matmul changes its leading dims"
-            return m, None
-        a_shape = _unflattened_a_shape(node, pre)
-        if a_shape is not None:
-            return _matmul_at(mm, pre, None, a_shape), None
-        return None, "the matmul's 2-D input is not a flattening reshape of an N-D tensor"
-    if _rescaled_scaled_mm(node):
-        return None, ("the _scaled_mm product is multiplied by scales before the reduction (torchao's rowwise "
-                      "recipe without fast accumulation scales after the matmul)")
-    return None, f"its input comes from {node.target} (not a matmul)" if node.op == "call_function" else (
-        f"its input is a graph {node.op}, not a matmul"
-    )
-
-
-def _rescaled_scaled_mm(node: fx.Node) -> bool:
-    """node is reshape / convert_element_type / mul(..., scales) of a _scaled_mm product."""
-    passes = RESHAPES + (torch.ops.prims.convert_element_type.default,)
-    scaled = False
-    for _ in range(4):
-        if node.target is aten.mul.Tensor and isinstance(node.args[0], fx.Node):
-            scaled = True
-        elif node.target not in passes or not isinstance(node.args[0], fx.Node):
-            return False
-        node = node.args[0]
-        if node.target is aten._scaled_mm.default:
-            return scaled
-    return False

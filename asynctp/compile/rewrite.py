@@ -11,13 +11,14 @@ ops' fake implementations, and the graph is re-sorted so every node follows its 
 
 from __future__ import annotations
 
-import importlib
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+import asynctp.ops.all_gather_scaled_matmul  # noqa: F401 - registers torch.ops.asynctp.all_gather_scaled_matmul
+import asynctp.ops.scaled_matmul_reduce_scatter  # noqa: F401 - registers its op too
 from asynctp.compile import patterns as pt
 from asynctp.compile.report import CollectiveRecord
 
@@ -66,12 +67,7 @@ def _ring_note(group_name: str, val: torch.Tensor | None) -> str | None:
 
 
 def _scaled_op(name: str) -> Any | None:
-    """torch.ops.asynctp.<name>, registering it by importing its module; None if this version of
-    asynctp has no such op."""
-    try:
-        importlib.import_module(f"asynctp.ops.{name}")
-    except ImportError:
-        return None
+    """torch.ops.asynctp.<name> (registered by the imports above), or None if it has none."""
     return getattr(torch.ops.asynctp, name, None)
 
 
