@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "running beside them (CUDA only)")
     parser.add_argument("--contention-size", type=int, default=8192, help="--contention: the matmul's M = N = K")
     parser.add_argument("--contention-mb", type=int, default=256, help="--contention: MB gathered per rank")
+    parser.add_argument("--checks", action="store_true",
+                        help="instead of the op table: host time per call of the call checks, on and off")
     parser.add_argument("--readme", action="store_true", help="measure nothing: rewrite the .md/.png of every JSON file in --out, and its README.md")
 
 
@@ -91,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         for path in regenerate(args.out):
             print(f"wrote {path}")
         return 0
+    if args.checks:
+        from asynctp.bench.checks import main
+
+        return main(args.nproc, args.iters * 20, args.warmup * 10)
     from asynctp.bench.launch import launch, plan
 
     if args.contention and not _has_gpus():

@@ -51,6 +51,8 @@ def _all_gather_op(x, gather_dim, group_name):
     world = pg.size()
     front = _front(x, gather_dim)
     gathered = front.new_empty((world * front.shape[0], *front.shape[1:]))
+    if x.numel() == 0:  # nothing to move (every rank agreed on the shape)
+        return moved_back(gathered, gather_dim)
     ws = get_workspace(pg, x.device)
     if ws is None:
         all_gather_rows(gathered, front, pg)
@@ -99,6 +101,8 @@ def _reduce_scatter_op(x, scatter_dim, group_name, reduce_op):
     pg = resolve_group(group_name)
     world = pg.size()
     front = _front(x, scatter_dim)
+    if x.numel() == 0:  # nothing to move or reduce (every rank agreed on the shape)
+        return moved_back(front.new_empty((front.shape[0] // world, *front.shape[1:])), scatter_dim)
     rows = _rows(front)
     m = rows.shape[0] // world
     ws = get_workspace(pg, x.device)

@@ -32,7 +32,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from asynctp.symm.errors import CallMismatchError, PeerTimeoutError, WorkspaceUnavailable
+from asynctp.symm.errors import CallMismatchError, PeerTimeoutError, WorkspaceUnavailable, _ranks
 from asynctp.symm.mismatch import describe_mismatch
 from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import NUM_CHANNELS, Workspace
@@ -40,6 +40,7 @@ from asynctp.symm.workspace import NUM_CHANNELS, Workspace
 __all__ = ["CpuWorkspace"]
 
 _BARRIER, _SIGNAL = 0, 1
+_SPIN_S = 50e-6
 
 
 def _shm_dir() -> str:
@@ -130,6 +131,10 @@ class CpuWorkspace(Workspace):
             reclaim_stale()
         self._call_base = NUM_CHANNELS * 2 * self.world_size  # first call word of the signal pad
         self._pads = self._exchange((self._call_base + 4 * self.world_size) * 8, "pads")
+        self._call_words = [pad.words for pad in self._pads]
+        self._peers = [p for p in range(self.world_size) if p != self.rank]
+        # where each peer's (seq, signature) lands in this rank's pad, per call parity
+        self._call_slots = [[self._call_base + 2 * parity + 4 * p for p in self._peers] for parity in (0, 1)]
         self._bufs: list[_Segment] = []
         self._epoch = [0] * NUM_CHANNELS
         self._sent = [[0] * NUM_CHANNELS for _ in range(self.world_size)]
@@ -171,6 +176,7 @@ class CpuWorkspace(Workspace):
 
     def close(self) -> None:
         super().close()
+        self._call_words = []
         for seg in [*self._bufs, *self._pads]:
             seg.close()
         self._bufs, self._pads, self.nbytes = [], [], 0
@@ -181,20 +187,30 @@ class CpuWorkspace(Workspace):
     def _slot(self, channel: int, kind: int, src: int) -> int:
         return (channel * 2 + kind) * self.world_size + src
 
-    def _wait_all(self, indices: list[int], value: int, what: str, peers: list[int], timeout: float | None) -> None:
+    def _wait_all(self, indices: list[int], value: int, what: str, peers: list[int], timeout: float | None,
+                  gave_up: bool = False) -> None:
         """Wait until words[i] >= value for every i (one per peer); a timeout names every peer
-        still missing."""
+        still missing. gave_up: a word of -value means that peer gave up: stop waiting."""
         words = self._pads[self.rank].words
         waiting = [i for i in indices if words[i] < value]
+        # spin briefly first: the shortest sleep is ~60 us (timer slack), longer than the wait
+        # for a peer that is in step
+        spin_until = time.perf_counter() + _SPIN_S
+        while waiting and time.perf_counter() < spin_until:
+            waiting = [i for i in waiting if words[i] < value]
         if not waiting:
             return
         limit = self._timeout(timeout)
         deadline = time.monotonic() + limit
         delay = 1e-6
         while waiting:
-            if time.monotonic() > deadline:
-                missing = [p for p, i in zip(peers, indices) if words[i] < value]
-                raise PeerTimeoutError(self.op, self.rank, missing, what, limit, self.group_name)
+            # a peer that came to this call and gave up (its word is -value) will not come again
+            if time.monotonic() > deadline or (gave_up and any(words[i] == -value for i in waiting)):
+                missing = [p for p, i in zip(peers, indices) if 0 <= words[i] < value]
+                left = [p for p, i in zip(peers, indices) if words[i] == -value]
+                if left:
+                    what += f" ({_ranks(left)} came and gave up waiting)"
+                raise PeerTimeoutError(self.op, self.rank, missing or left, what, limit, self.group_name)
             # back off: with more ranks than cores a busy spin starves the peer we wait for
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
@@ -215,25 +231,36 @@ class CpuWorkspace(Workspace):
 
     def _agree(self) -> None:
         """Publish (seq, signature) in every pad, wait for every peer's, compare. A mismatch
-        raises the same CallMismatchError on every rank (they all see it) before data moves."""
-        seq, sig, rank = self.seq, self.signature, self.rank
-        base = self._call_base + 2 * (seq % 2)
-        for pad in self._pads:
-            words = pad.words
-            words[base + 4 * rank + 1] = sig  # before the seq, which is what peers wait for
-            words[base + 4 * rank] = seq
-        peers = [p for p in range(self.world_size) if p != rank]
-        self._wait_all([base + 4 * p for p in peers], seq, f"the start of call {seq}", peers, None)
-        words = self._pads[rank].words
-        theirs = {p: (words[base + 4 * p], words[base + 4 * p + 1]) for p in peers}
-        ahead = {p: s for p, (s, _) in theirs.items() if s != seq}
+        raises the same CallMismatchError on every rank (they all see it) before data moves.
+        (Host time per call is what this costs: no string is built unless something fails.)"""
+        seq, sig = self.seq, self.signature
+        parity = seq & 1
+        mine = self._call_base + 2 * parity + 4 * self.rank
+        pads = self._call_words
+        for words in pads:
+            words[mine + 1] = sig  # before the seq, which is what peers wait for
+            words[mine] = seq
+        words, slots = pads[self.rank], self._call_slots[parity]
+        for i in slots:
+            if words[i] != seq or words[i + 1] != sig:
+                break
+        else:
+            return  # every peer is here with the same call: the common case
+        try:
+            self._wait_all(slots, seq, f"the start of call {seq}", self._peers, None, gave_up=True)
+        except BaseException:
+            # withdrawn: a peer that comes later must not take this call for its partner
+            for w in pads:
+                w[mine] = -seq
+            raise
+        ahead = {p: words[i] for p, i in zip(self._peers, slots) if words[i] != seq}
         if ahead:
             raise CallMismatchError(
                 f"asynctp {self.op} requires every rank of group {self.group_name!r} at the same call, got call "
-                f"{seq} on rank {rank} and " + ", ".join(f"call {s} on rank {p}" for p, s in sorted(ahead.items()))
+                f"{seq} on rank {self.rank} and " + ", ".join(f"call {s} on rank {p}" for p, s in sorted(ahead.items()))
                 + "; call asynctp.reset(group) on every rank"
             )
-        if any(s != sig for _, s in theirs.values()):
+        if any(words[i + 1] != sig for i in slots):
             # only now: every rank's fields, to name them (all ranks are here, they all saw it)
             everyone = exchange(self.group, self.op, self.call, tag=f"mismatch-{seq}")
             raise CallMismatchError(describe_mismatch(self.group_name, seq, everyone))

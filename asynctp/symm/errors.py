@@ -9,6 +9,7 @@ __all__ = ["PeerTimeoutError", "CallMismatchError", "OutOfStepError", "Workspace
 
 
 def _ranks(peers: Sequence[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
     return f"rank {peers[0]}" if len(peers) == 1 else "ranks " + ", ".join(map(str, peers))
 
 

@@ -254,14 +254,15 @@ class Workspace(abc.ABC):
         self.op = op
         self.seq += 1
         self.call = (op, names, values)
-        check = get_config().check_calls
-        self.signature = signature_of(op, values) if check else _UNCHECKED
-        if check:
+        if get_config().check_calls:
+            self.signature = signature_of(op, values)
             try:
                 self._agree()
             except BaseException as exc:
                 self.end_call(exc)
                 raise
+        else:
+            self.signature = _UNCHECKED
 
     def end_call(self, exc: BaseException | None = None) -> None:
         """Close the call begun last on this thread; an exception marks the group out of step."""
