@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import triton.testing
 
 from asynctp.kernels.async_input_mm import ChunkMap, launch
-from asynctp.kernels.configs import candidates
+from asynctp.kernels.configs import Config, candidates
 from asynctp.kernels.producer_mm import launch_producer
 
 FP8 = torch.float8_e4m3fn
@@ -44,7 +45,7 @@ def _operands(m, n, k, fp8):
     return a, torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t(), None, None
 
 
-def bench_shape(label, m, n, k, fp8, world=2, quick=False) -> list[dict]:
+def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None) -> list[dict]:
     a, b, sa, sb = _operands(m, n, k, fp8)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     if fp8:
@@ -55,7 +56,7 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False) -> list[dict]:
     t_ref = _time(ref_fn)
     rows = []
     flags = torch.ones(world * 4, dtype=torch.int32, device="cuda")
-    cands = candidates(a.dtype)[:1] if quick else candidates(a.dtype)
+    cands = configs or (candidates(a.dtype)[:1] if quick else candidates(a.dtype))
     for cfg in cands:
         row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16",
                "config": cfg.__dict__.copy(), "cublas_us": t_ref}
@@ -81,7 +82,8 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False) -> list[dict]:
 
 
 def _fused_ag(a, b, sa, sb, out, world, cfg) -> float:
-    """The all-gather's call: rank 0 of `world`, the own rows staged, every remote flag set,
+    """The all-gather's call: rank 0 of `world`, the own rows staged on the same stream (an
+    upper bound: the op stages them on a copy engine beside the GEMM), every remote flag set,
     flags reset by the kernel (set again before each run)."""
     m, k = a.shape
     shard = m // world
@@ -127,18 +129,71 @@ def bench_producer(label, m, n, k, fp8, world=2, blocks=2) -> dict:
     return row
 
 
+def probe_local_copy(nbytes: int = 64 << 20) -> dict:
+    """Whether a same-device copy (torch's copy_, cudaMemcpyAsync) runs while a GEMM holds every
+    SM waiting for it: the GEMM spins on a flag that another stream writes after the copy. If
+    the copy needed an SM it could not start; after 5 s the host sets the flag itself."""
+    from asynctp.symm import streamops
+
+    ops = streamops.load()
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    side, rescue = torch.cuda.Stream(), torch.cuda.Stream()
+    launch(a, b, out, flag, (1, 1, 0), 8192, 0, ChunkMap())  # queued: spins until the flag is set
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(0.005)
+    with torch.cuda.stream(side):
+        dst.copy_(src)
+        ops.write(side.cuda_stream, flag.data_ptr(), 1)
+    deadline = time.monotonic() + 5
+    while not done.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    finished = done.query()
+    if not finished:
+        ops.write(rescue.cuda_stream, flag.data_ptr(), 1)
+    torch.cuda.synchronize()
+    row = {"copy_ran_beside_a_waiting_gemm": finished, "bytes": nbytes, "copy_exact": bool(torch.equal(dst, src))}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _config(spec: str) -> Config:
+    """BMxBNxBK:stages:warps[:nf] -> Config."""
+    parts = spec.split(":")
+    bm, bn, bk = map(int, parts[0].split("x"))
+    return Config(bm, bn, bk, stages=int(parts[1]), warps=int(parts[2]), flatten=not (len(parts) > 3 and parts[3] == "nf"))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--quick", action="store_true", help="the default config only")
+    parser.add_argument("--shapes", default="", help="only shapes whose label contains this")
+    parser.add_argument("--dtypes", default="bf16,fp8", help="bf16, fp8 or both")
+    parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf] to time instead "
+                        "of the table's")
+    parser.add_argument("--no-producer", action="store_true")
+    parser.add_argument("--probe-copy", action="store_true", help="also probe_local_copy()")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "gemm": [], "producer": []}
-    for fp8 in (False, True):
+              "command": " ".join(sys.argv), "gemm": [], "producer": []}
+    if args.probe_copy:
+        result["local_copy"] = probe_local_copy()
+    configs = [_config(c) for c in args.configs.split(",") if c] or None
+    for fp8 in [d == "fp8" for d in args.dtypes.split(",")]:
         for label, m, n, k in SHAPES:
-            result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick)
-            if "RS" in label or "w2" in label:
+            if args.shapes not in label:
+                continue
+            result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick,
+                                          configs=None if fp8 else configs)
+            if not args.no_producer and ("RS" in label or "w2" in label):
                 result["producer"].append(bench_producer(label, m, n, k, fp8))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,13 +1,14 @@
 """The single-launch GPU path of the fused ops: copy-engine pushes and stream-written signals
 on the copy stream, ONE persistent GEMM on the caller's stream that waits per chunk on the GPU.
 
-all-gather -> matmul, rank r of R (chunk = one rank's rows, or one batch-major run of them):
-    copy stream:  barrier(0) | push the shard into slot r of r-1, r-2, ... (copy engine),
-                  then put_signal(that peer, chunk)
-    caller:       the shard copied into the own slot, then async_input_mm over the workspace
-                  rows, pivot = r's own chunk, then r+1, r+2, ... as their flags arrive;
-                  it also stores the gathered rows when the caller keeps them; the kernel resets
-                  the flags. Further weights of the same gather: the same GEMM without waits.
+all-gather -> matmul, rank r of R (chunk = a block of one rank's rows, or a batch-major run):
+    copy stream:  the shard into the own slot, block by block (copy engine), each block's flag
+                  set in the own pad | barrier(0) | push the shard into slot r of r-1, r-2, ...,
+                  then put_signal(that peer, block) | when the caller keeps the gathered rows:
+                  each arrived block copied out of the workspace
+    caller:       async_input_mm over the workspace rows, pivot = r's own first block, then
+                  r's other blocks, r+1, r+2, ... as their flags arrive; further weights of the
+                  same gather: the same GEMM without waits; every flag zeroed after the join
 matmul -> reduce-scatter, rank r:
     caller:       producer GEMM: the peers' blocks first (r+1, r+2, ...), then the own chunk,
                   whose epilogue waits for the peers' pushed partials and adds them (fp32, one
@@ -32,6 +33,8 @@ __all__ = ["gather_available", "gather_matmul", "scatter_available", "matmul_sca
 
 _SIGNAL_BASE = 2  # signal channels after the two barrier channels (as the decomposition's)
 _MAX_BLOCKS = 8  # signal channels the kernel path uses at most
+_GATHER_SPLITS = 4  # blocks of a rank's rows in the all-gather (front order)
+_MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
 _counters: dict[tuple, torch.Tensor] = {}
 
 
@@ -100,7 +103,7 @@ def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_m
     if k_mode:
         return "gathering along K is accumulated per block"
     m, k = shard_2d.shape
-    blocks, rows = _blocks(m, segment)
+    blocks, rows = _gather_blocks(m, segment)
     if blocks > _MAX_BLOCKS:
         return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
     cfg = pick_config(shard_2d.dtype, m * ws.world_size, n_min, k, rows)
@@ -111,39 +114,65 @@ def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_m
     return None
 
 
+def _gather_blocks(m: int, segment: int) -> tuple[int, int]:
+    """(blocks per rank, rows per block) of the all-gather: one per batch-major run, else up to
+    _GATHER_SPLITS of at least _MIN_BLOCK_ROWS rows (the GEMM starts after the first own block)."""
+    if segment:
+        return m // segment, segment
+    for blocks in range(_GATHER_SPLITS, 1, -1):
+        if m % blocks == 0 and (m // blocks) % _MIN_BLOCK_ROWS == 0:
+            return blocks, m // blocks
+    return 1, m
+
+
+def _wait_flag(ws, flag: torch.Tensor, what: str) -> None:
+    """The current stream waits until `flag` (one uint32 of the signal pad) is set; it is not
+    reset here (gather_matmul zeroes every flag once the GEMM and the copies are done)."""
+    _watch(ws, what, flag)
+    ws._ops.wait(torch._C._cuda_getCurrentRawStream(ws.device.index), flag.data_ptr(), 1)
+
+
 def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,
                   keep_gathered: bool, a_scale: torch.Tensor | None = None, scale_rows: torch.Tensor | None = None,
                   b_scales: list | None = None, out_dtype: torch.dtype | None = None):
     """(gathered rows [R * m, K] rank-major or None, outputs [R * m, N_i] in the caller's row
     order (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment)). fp8:
-    a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows)."""
+    a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows).
+
+    The copy stream stages the own rows in the own slot, block by block, each followed by a flag
+    in the own pad (a copy engine: the GEMM that waits for it may hold every SM), then pushes
+    the rows to the peers and, when the caller keeps the gathered rows, copies each arrived
+    block out of the workspace beside the GEMM. Every flag is zeroed after the join (the GEMM
+    and the copy stream both read them)."""
     world, rank = ws.world_size, ws.rank
     m, k = shard_2d.shape
     dtype = shard_2d.dtype
-    blocks, rows = _blocks(m, segment)
+    blocks, rows = _gather_blocks(m, segment)
     slot = m * k * shard_2d.element_size()
     scale_off = -(-world * slot // 256) * 256
     ws.ensure(scale_off + (world * m * 4 if scale_rows is not None else 0))
     all_rows = ws.get_buffer(rank, (world * m, k), dtype, 0)
     all_scales = ws.get_buffer(rank, (world * m,), torch.float32, scale_off) if scale_rows is not None else None
-    flags = ws.signal_flags(_SIGNAL_BASE, blocks)
-    counters = _counter(ws, world * blocks)
+    flags = ws.signal_flags(_SIGNAL_BASE, blocks)  # (block j, source s) at j * world + s
     out_dtype = out_dtype or dtype
     outs = [shard_2d.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
     gathered = shard_2d.new_empty((world * m, k)) if keep_gathered else None
-    cmap = ChunkMap(blocks=blocks, local_src=rank, out_src=segment or None, out_blk=world * segment or None)
+    cmap = ChunkMap(blocks=blocks, out_src=segment or None, out_blk=world * segment or None)
     lanes = ws.lanes
     lanes.fork()
-    # the own rows staged in the own slot on the caller's stream, ahead of the GEMM (the local
-    # operand through a second TMA descriptor computed wrong products on H100: see
-    # docs/performance.md)
-    all_rows[rank * m : (rank + 1) * m].copy_(shard_2d)
-    if all_scales is not None:
-        all_scales[rank * m : (rank + 1) * m].copy_(scale_rows)
     with lanes.copy():
+        # the own rows into the own slot first: the GEMM starts on them (the workspace contract
+        # allows local writes before the opening barrier); pushes queued behind a peer's on a
+        # shared copy engine would hold them back by a whole push (2xH100, M 4096: 445 us vs 374)
+        for j in range(blocks):
+            lo, hi = rank * m + j * rows, rank * m + (j + 1) * rows
+            all_rows[lo:hi].copy_(shard_2d[j * rows : (j + 1) * rows])
+            if all_scales is not None:
+                all_scales[lo:hi].copy_(scale_rows[j * rows : (j + 1) * rows])
+            ws.put_signal(rank, channel=_SIGNAL_BASE + j)
         ws.barrier(channel=0)
         for step in range(1, world):
-            dst = (rank - step) % world  # rank r+1's rows reach r first: its GEMM's second chunk
+            dst = (rank - step) % world  # rank r+1's rows reach r first: its GEMM's next chunk
             theirs = ws.get_buffer(dst, (m, k), dtype, rank * slot)
             their_scales = (ws.get_buffer(dst, (m,), torch.float32, scale_off + rank * m * 4)
                             if scale_rows is not None else None)
@@ -153,17 +182,23 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 if their_scales is not None:
                     their_scales[lo:hi].copy_(scale_rows[lo:hi])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + j)
+        if gathered is not None:  # rank-major, as the decomposition's rows
+            gathered[rank * m : (rank + 1) * m].copy_(shard_2d)
+            for step in range(1, world):
+                src = (rank + step) % world
+                for j in range(blocks):
+                    _wait_flag(ws, flags[j * world + src], f"rank {src}'s rows, block {j}")
+                    lo, hi = src * m + j * rows, src * m + (j + 1) * rows
+                    gathered[lo:hi].copy_(all_rows[lo:hi])
     _watch(ws, f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
     sig = (world * blocks, 1, world)
     a_scale_ws = all_scales if scale_rows is not None else a_scale
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-        first = i == 0
-        launch(all_rows, b, outs[i], flags if first else None, sig, rows, rank * blocks, cmap,
-               counters=counters if first else None, a_scale=a_scale_ws, b_scale=b_scale, bias=bias)
-    if gathered is not None:  # rank-major, as the decomposition's rows (see gather_matmul's docstring)
-        gathered.copy_(all_rows)
+        launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
+               b_scale=b_scale, bias=bias)
     lanes.join()
+    flags.view(torch.int32).zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs
 
 

@@ -1,0 +1,76 @@
+"""Cases of the single-launch GPU path (strategy="fused") at sizes it serves: rows per rank a
+multiple of the GEMM's tiles. Small-integer inputs make every product exact, so the path must
+equal the serial reference bit for bit (atol=0) where no cross-rank reduction is reordered."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import asynctp
+from tests.cases import ints, world
+
+BF16 = torch.bfloat16
+
+
+def fused_all_gather_exact() -> int:
+    """Front order (dim 0) and batch-major (dim 1 of a batch of 2), one and two weights, with
+    and without the gathered rows, with a bias: equal to serial; repeated calls too."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    checked = 0
+    for shape, dim in (((1024, 256), 0), ((2, 512, 256), 1), ((512, 256), 0)):
+        a = ints(shape, 10 + rank, BF16, "cuda", low=-1, high=2)
+        bs = [ints((256, 384), 3, BF16, "cuda"), ints((384, 256), 4, BF16, "cuda").t()]
+        biases = [ints((384,), 5, BF16, "cuda"), None]
+        for return_a in (True, False):
+            want_a, want = asynctp.all_gather_matmul(a, bs, dim, g, biases=biases, strategy="serial")
+            for _ in range(2):
+                got_a, got = asynctp.all_gather_matmul(a, bs, dim, g, biases=biases, return_a=return_a,
+                                                       strategy="fused")
+                assert (got_a is None) != return_a
+                assert got_a is None or torch.equal(got_a, want_a), (shape, "gathered")
+                for o, w in zip(got, want):
+                    assert o.is_contiguous() and torch.equal(o, w), (shape, dim, (o.double() - w.double()).abs().max())
+                checked += 1
+    return checked
+
+
+def fused_reduce_scatter_matches_serial() -> int:
+    """Sum and avg, with a bias, dims 0 and 1: within one bf16 rounding of serial (the partials
+    are added in fp32 and rounded once, serial rounds per step); exact where every rank holds
+    the same small integers scaled by powers of two."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    checked = 0
+    for shape, dim in (((1024 * ws, 256), 0), ((2, 512 * ws, 256), 1)):
+        a = ints(shape, 20 + rank, BF16, "cuda", low=-1, high=2)
+        b = ints((256, 320), 7, BF16, "cuda")
+        bias = ints((320,), 8, BF16, "cuda")
+        for reduce_op in ("sum", "avg"):
+            want = asynctp.matmul_reduce_scatter(a, b, dim, g, reduce_op=reduce_op, bias=bias, strategy="serial")
+            for _ in range(2):
+                got = asynctp.matmul_reduce_scatter(a, b, dim, g, reduce_op=reduce_op, bias=bias, strategy="fused")
+                assert got.shape == want.shape and got.is_contiguous()
+                assert torch.equal(got, want), (shape, reduce_op, (got.double() - want.double()).abs().max())
+                checked += 1
+    return checked
+
+
+def fused_random_bf16_close_to_serial() -> int:
+    """Random bf16 at seed-like sizes: equal to serial up to GEMM rounding."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    torch.manual_seed(7 + rank)
+    a = torch.randn(2048, 1024, device="cuda", dtype=BF16)
+    torch.manual_seed(3)
+    b = torch.randn(1024, 768, device="cuda", dtype=BF16) / 32
+    a_f, (o_f,) = asynctp.all_gather_matmul(a, [b], 0, g, strategy="fused")
+    a_s, (o_s,) = asynctp.all_gather_matmul(a, [b], 0, g, strategy="serial")
+    assert torch.equal(a_f, a_s)
+    torch.testing.assert_close(o_f, o_s, rtol=2e-2, atol=2e-2)
+    w = b.t().contiguous()
+    r_f = asynctp.matmul_reduce_scatter(o_f, w, 0, g, strategy="fused")
+    r_s = asynctp.matmul_reduce_scatter(o_f, w, 0, g, strategy="serial")
+    torch.testing.assert_close(r_f, r_s, rtol=2e-2, atol=5e-2)
+    return 2
