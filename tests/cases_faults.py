@@ -281,3 +281,26 @@ def group_cycles(cycles: int) -> dict:
     # a new group's first call releases the destroyed ones' workspaces
     asynctp.all_gather(ints((2, 2), rank, torch.float32, "cpu"), 0, dist.group.WORLD)
     return dict(mapped=counts, final=mapped(), workspaces=len(asynctp.symm._workspaces))
+
+
+def zero_sizes() -> list[str]:
+    """Zero-size inputs on every strategy and collective give the empty result of the serial
+    reference (nothing travels); returns what each call gave."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    b = ints((8, 6), 1, torch.float32, "cpu")
+    seen = []
+    for strategy in ("auto", "serial", "pipeline", "ring"):
+        for shape, dim in (((0, 8), 0), ((3, 0, 8), 1), ((0, 4, 8), 1)):
+            a = torch.zeros(shape)
+            a_g, (o,) = asynctp.all_gather_matmul(a, [b], dim, g, strategy=strategy)
+            want = list(shape)
+            want[dim] *= ws
+            assert list(a_g.shape) == want and list(o.shape) == want[:-1] + [6], (strategy, shape, a_g.shape, o.shape)
+            r = asynctp.matmul_reduce_scatter(a_g, b, dim, g, strategy=strategy)
+            assert list(r.shape) == list(shape[:-1]) + [6], (strategy, shape, r.shape)
+            seen.append(f"{strategy} {shape}")
+    assert asynctp.all_gather(torch.zeros(0, 3), 0, g).shape == (0, 3)
+    assert asynctp.reduce_scatter(torch.zeros(0, 3), 0, g).shape == (0, 3)
+    assert asynctp.reduce_scatter(torch.zeros(2 * ws, 0), 0, g).shape == (2, 0)
+    return seen

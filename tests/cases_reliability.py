@@ -63,14 +63,10 @@ def nonfinite_inputs_raise_everywhere(device: str) -> str:
     return message
 
 
-def mismatch_on_device(op: str) -> str:
-    """cuda: the last rank makes a different call (more rows). The opening barrier's flags carry
-    the call's signature, so no rank passes it: the watchdog names the op, the rank and the
-    signature before the context is aborted. Returns the log line (the pool is thrown away)."""
+def _watchdog_log() -> list[str]:
+    """The lines asynctp's logger emits from now on (the watchdog's among them)."""
     import logging
 
-    rank, ws, a, b = _fault_setup("cuda")
-    torch.cuda.synchronize()
     logged: list[str] = []
 
     class Keep(logging.Handler):
@@ -78,13 +74,28 @@ def mismatch_on_device(op: str) -> str:
             logged.append(record.getMessage())
 
     logging.getLogger("asynctp").addHandler(Keep())
-    rows = a.shape[0] + 2 * (rank == ws - 1)
-    a = ints((rows, a.shape[1]), rank, a.dtype, "cuda")
-    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
-    deadline = time.monotonic() + 3 + 8
+    return logged
+
+
+def _first_line(logged: list[str], seconds: float) -> str:
+    deadline = time.monotonic() + seconds
     while not logged and time.monotonic() < deadline:
         time.sleep(0.1)
     return logged[0] if logged else "nothing logged"
+
+
+def mismatch_on_device(op: str) -> str:
+    """cuda: the last rank makes a different call (more rows). The opening barrier's flags carry
+    the call's signature, so no rank passes it: the watchdog names the op, the rank and the
+    signature before the context is aborted. Returns the log line (the pool is thrown away)."""
+
+    rank, ws, a, b = _fault_setup("cuda")
+    torch.cuda.synchronize()
+    logged = _watchdog_log()
+    rows = a.shape[0] + 2 * (rank == ws - 1)
+    a = ints((rows, a.shape[1]), rank, a.dtype, "cuda")
+    asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+    return _first_line(logged, 3 + 8)
 
 
 def two_groups_interleaved(device: str) -> None:
@@ -142,7 +153,7 @@ def ops_on_two_streams() -> None:
         assert torch.equal(r, ref)
 
 
-def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
+def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = False) -> str:
     """cuda backend: the last rank skips the op; the others' device-side wait times out and
     is aborted. Before it is, asynctp's watchdog must log a line naming the op, the rank and the
     wait; after it, a synchronize must raise, not hang. Returns what the watchdog logged and how
@@ -150,10 +161,11 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     replay: the op is called three times on every rank first, so the stuck call is replayed
     from asynctp's CUDA graph (runtime/graphs.py)."""
     import faulthandler
-    import logging
 
     from asynctp.ops import graphs
+    from asynctp.symm import cuda as symm_cuda
 
+    symm_cuda.TORCH_SIGNALS = torch_signals  # before the workspace exists
     rank, ws, a, b = _fault_setup("cuda")
 
     def call() -> None:
@@ -169,13 +181,7 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     if rank == ws - 1:
         return "skipped"
     workspace = asynctp.get_workspace(dist.group.WORLD, "cuda")
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    logging.getLogger("asynctp").addHandler(Keep())
+    logged = _watchdog_log()
     replays = graphs.stats(workspace)["replayed"]
     # a rank still here after 40 s (the pool gives up at 60) prints where every thread is
     faulthandler.dump_traceback_later(40)
@@ -201,3 +207,26 @@ def peer_skips_op_cuda(op: str, replay: bool = False) -> str:
     waiter.join(20)
     faulthandler.cancel_dump_traceback_later()
     return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'} | {how}"
+
+
+def killed_rank_cuda() -> dict:
+    """cuda: the last rank is SIGKILLed inside an op, after the opening barrier; the others' next
+    wait is stuck, and the watchdog must name the op, the rank and the peer before the abort."""
+    import os
+    import signal
+
+    rank, ws, a, b = _fault_setup("cuda")
+    torch.cuda.synchronize()
+    logged = _watchdog_log()
+    if rank == ws - 1:
+        workspace = asynctp.get_workspace(dist.group.WORLD, "cuda")
+        real = workspace.barrier
+
+        def barrier_then_die(channel: int = 0, timeout: float | None = None) -> None:
+            real(channel, timeout)
+            torch.cuda.synchronize()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        workspace.barrier = barrier_then_die
+    asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline")
+    return dict(logged=_first_line(logged, 3 + 8))

@@ -111,3 +111,7 @@ def test_nonfinite_inputs_raise_everywhere(pool):
 
 def test_two_groups_and_growth(pool):
     pool.run(cases.two_groups_interleaved, DEVICE)
+
+
+def test_zero_size_inputs_give_empty_results_on_every_strategy(pool):
+    pool.run(faults.zero_sizes)

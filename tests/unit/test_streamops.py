@@ -53,7 +53,8 @@ def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=Fa
     ws = object.__new__(cuda.CudaWorkspace)
     ws.rank, ws.world_size, ws.op, ws.pending = rank, world, "test", None
     ws.device = SimpleNamespace(index=0)
-    ws._ops, ws._flags, ws._awaited, ws.own_capture = RecordingOps(), ([1000, 2000, 3000], 0), set(), own_capture
+    ws._ops, ws._flags, ws._awaited, ws.own_capture = RecordingOps(), ([1000, 2000, 3000], 0), {}, own_capture
+    ws.signature, ws.seq, ws.call = 1, 0, ("test", (), ())
     ws._handle = SimpleNamespace(barrier=lambda **kw: ws._ops.calls.append(("torch barrier", kw["channel"])))
     return ws, cuda
 
@@ -67,7 +68,42 @@ def test_a_barrier_sets_each_peers_flag_then_waits_for_and_resets_its_own(monkey
         ("wait", 2000 + flag(0), 1), ("write", 2000 + flag(0), 0),  # own pad: 0's flag, reset
         ("wait", 2000 + flag(2), 1), ("write", 2000 + flag(2), 0),
     ]
-    assert ws._awaited == {2000 + flag(0), 2000 + flag(2)} and ws.pending.what == "barrier channel 1"
+    assert ws._awaited == {2000 + flag(0): 1, 2000 + flag(2): 1} and ws.pending.what == "barrier channel 1"
+
+
+def test_the_opening_barrier_carries_the_call_signature(monkeypatch):
+    """Barrier 0's flags hold the call's signature and each rank waits for exactly its own: a
+    peer that made another call never releases the wait, and the watchdog names the call."""
+    ws, cuda = fake_workspace(monkeypatch, rank=0, world=2)
+    from asynctp.symm.workspace import signature_of
+
+    ws.op, ws.call, ws.seq = "all_gather_matmul", ("all_gather_matmul", ("a_shard.shape",), ((4, 8),)), 5
+    ws.signature = signature_of("all_gather_matmul", ((4, 8),))
+    ws.barrier(channel=0)
+    flag = lambda src: 4 * (0 * cuda.FLAG_CHANNELS * 2 + src)  # noqa: E731
+    sig = ws.signature
+    assert sig not in (0, 1) and signature_of("all_gather_matmul", ((5, 8),)) != sig
+    assert ws._ops.calls == [("write", 2000 + flag(0), sig), ("wait", 1000 + flag(1), sig), ("write", 1000 + flag(1), 0)]
+    assert ws._awaited == {1000 + flag(1): sig}  # what an abort releases the wait with
+    assert f"signature 0x{sig:08x} of all_gather_matmul (call 5: a_shard.shape (4, 8))" in ws.pending.what
+
+
+def test_signal_flags_view_for_the_single_launch_gemm(monkeypatch):
+    import torch
+
+    ws, cuda = fake_workspace(monkeypatch, rank=1, world=2)
+    got = {}
+
+    def get_signal_pad(rank, shape, dtype, offset):
+        got.update(rank=rank, shape=shape, dtype=dtype, offset=offset)
+        return torch.zeros(shape, dtype=torch.int32)
+
+    ws._handle = SimpleNamespace(get_signal_pad=get_signal_pad)
+    ws.signal_flags(2, 4)
+    assert got == dict(rank=1, shape=(8,), dtype=torch.uint32, offset=ws._flag(1, 2, 0) // 4)
+    assert cuda.SIGNAL_VALUE == 1
+    with pytest.raises(ValueError, match="signal_flags requires channels within"):
+        ws.signal_flags(15, 2)
 
 
 def test_a_signal_is_a_set_and_its_wait_resets_it(monkeypatch):
@@ -99,7 +135,7 @@ def test_flags_take_the_end_of_the_pad_and_leave_torchs_channels_alone(monkeypat
     cuda = pytest.importorskip("asynctp.symm.cuda")
     from torch._C._distributed_c10d import _SymmetricMemory
 
-    monkeypatch.delenv("ASYNCTP_SIGNALS", raising=False)
+    monkeypatch.setattr(cuda, "TORCH_SIGNALS", False)
     monkeypatch.setattr(_SymmetricMemory, "signal_pad_size", 2048, raising=False)
     handle = SimpleNamespace(signal_pad_ptrs=[1 << 20, 2 << 20])
     (pads, base), why = cuda._flag_region(handle, 2)
@@ -108,5 +144,5 @@ def test_flags_take_the_end_of_the_pad_and_leave_torchs_channels_alone(monkeypat
     assert base == 2048 - ours and base >= cuda.FLAG_CHANNELS * 2 * 4  # torch: channel * world + rank
     region, why = cuda._flag_region(handle, 16)  # 16 ranks do not fit 2 KiB: torch's kernels, and why
     assert region is None and "too small for 16 ranks" in why
-    monkeypatch.setenv("ASYNCTP_SIGNALS", "torch")
-    assert cuda._flag_region(handle, 2) == (None, "ASYNCTP_SIGNALS=torch")
+    monkeypatch.setattr(cuda, "TORCH_SIGNALS", True)
+    assert cuda._flag_region(handle, 2) == (None, "asynctp.symm.cuda.TORCH_SIGNALS is set")
