@@ -11,7 +11,8 @@ for s in ${STEPS:-kernels ops bench}; do
   case $s in
     kernels) step 200 test_kernels python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py ;;
     kbench) step 400 kernel_bench python3 benchmarks/kernels.py $R/kernels_${HW:-gpu}.json ${KBENCH_ARGS:-} ;;
-    ops) step ${OPS_LIMIT:-300} test_ops python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ops.py ${OPS_ARGS:-} ;;
+    ops) step ${OPS_LIMIT:-300} test_ops python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_ops.py tests/gpu/test_reliability.py ${OPS_ARGS:-} ;;
+    fused) step 200 test_fused python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused.py ;;
     gpu) step ${GPU_LIMIT:-500} test_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
              step ${BENCH_LIMIT:-200} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;

@@ -74,3 +74,28 @@ def fused_random_bf16_close_to_serial() -> int:
     r_s = asynctp.matmul_reduce_scatter(o_f, w, 0, g, strategy="serial")
     torch.testing.assert_close(r_f, r_s, rtol=2e-2, atol=5e-2)
     return 2
+
+
+def fused_scaled_reduce_scatter_exact() -> int:
+    """fp8 e4m3, tensorwise and rowwise scales (powers of two), with a bias, dims 0 and 1: small
+    integers make every product and sum exact, so fused equals serial bit for bit."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    f8 = torch.float8_e4m3fn
+    checked = 0
+    for shape, dim in (((1024 * ws, 256), 0), ((2, 512 * ws, 256), 1)):
+        a = ints(shape, 30 + rank, torch.float32, "cuda", low=-2, high=3).to(f8)
+        w = ints((320, 256), 9, torch.float32, "cuda", low=-2, high=3).to(f8)
+        bias = ints((320,), 8, BF16, "cuda")
+        rows = shape[:-1] + (1,)
+        for a_scale, b_scale in ((torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")),
+                                 (2.0 ** ints(rows, 31 + rank, torch.float32, "cuda", low=-2, high=2),
+                                  2.0 ** ints((1, 320), 32, torch.float32, "cuda", low=-2, high=2))):
+            want = asynctp.scaled_matmul_reduce_scatter(a, w.t(), a_scale, b_scale, dim, g, bias=bias,
+                                                        strategy="serial")
+            got = asynctp.scaled_matmul_reduce_scatter(a, w.t(), a_scale, b_scale, dim, g, bias=bias,
+                                                       strategy="fused")
+            assert got.shape == want.shape and torch.equal(got, want), (shape, a_scale.numel(),
+                                                                        (got.double() - want.double()).abs().max())
+            checked += 1
+    return checked

@@ -18,6 +18,7 @@ from asynctp.ops.scaled_gemm import scaled_matmul_reduce_scatter_serial, scaled_
 from asynctp.ops.scales import aligned, check_scaled_matmul_reduce_scatter, column_major, expand_cols, expand_rows
 from asynctp.ops.strategy import choose, eager_call_ok
 from asynctp.ops.tuning import plan_for
+from asynctp.runtime import kernel_path
 from asynctp.symm import resolve_group
 
 __all__ = ["scaled_matmul_reduce_scatter"]
@@ -117,6 +118,13 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     if ws is None or chosen == "serial":
         return scaled_matmul_reduce_scatter_serial(*args(batch_major=False), group)
     ws.op = "scaled_matmul_reduce_scatter"
+    if chosen == "fused":
+        lay, a_scale_2d, b_cm, *_ = args()
+        if kernel_path.scatter_available(ws, lay.a_2d, b.shape[1], lay.segment, lay.n_mode) is None:
+            # the producer GEMM applies the scales and the bias in its epilogue, fp32 accumulation
+            return lay.restore(kernel_path.matmul_scatter(
+                ws, lay.a_2d, b_cm, reduce_op, bias, segment=lay.segment, out_dtype=out_dtype,
+                a_scale=a_scale_2d.reshape(-1).contiguous(), b_scale=b_scale.reshape(-1).contiguous()))
     # the bf16 op's plan (row blocks): the pipeline is the same
     splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
 

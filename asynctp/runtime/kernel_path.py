@@ -234,7 +234,7 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     if not segment:
         blocks, rows = (2, m // 2) if m % 256 == 0 else (1, m)
     a_strides = (segment, world * segment) if segment else (m, rows)
-    out_dtype = out_dtype or a_2d.dtype
+    out_dtype = out_dtype or (torch.bfloat16 if a_2d.element_size() == 1 else a_2d.dtype)
     chunk = m * n * out_dtype.itemsize
     ws.ensure(world * chunk)
     received = ws.get_buffer(rank, (world, m, n), out_dtype, 0)

@@ -14,3 +14,7 @@ def test_fused_reduce_scatter_matches_serial(pool):
 
 def test_fused_random_bf16_close_to_serial(pool):
     assert pool.run(cases_fused.fused_random_bf16_close_to_serial)[0] == 2
+
+
+def test_fused_scaled_reduce_scatter_exact(pool):
+    assert pool.run(cases_fused.fused_scaled_reduce_scatter_exact)[0] == 4
