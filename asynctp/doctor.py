@@ -9,10 +9,7 @@ import torch
 
 __all__ = ["add_arguments", "run", "report"]
 
-_ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "ASYNCTP_TIMEOUT",
-             "ASYNCTP_DISABLE_SYMM", "ASYNCTP_TUNING_CACHE", "ASYNCTP_SM_CARVEOUT", "ASYNCTP_RING_SPLITS",
-             "ASYNCTP_GRAPHS", "ASYNCTP_GRAPHS_LAG_MS", "ASYNCTP_MAX_GRAPHS",
-             "ASYNCTP_BATCH_MAJOR")
+_ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")  # torch's and NCCL's; asynctp's: Config
 
 
 def report() -> list[str]:
@@ -37,6 +34,9 @@ def report() -> list[str]:
     lines.append(_fp8_quantization_line(n))
     for var in _ENV_VARS:
         lines.append(f"{var}={os.environ.get(var, '(unset)')}")
+    from asynctp.config import get_config
+
+    lines.append(f"asynctp settings: {get_config()}")
     lines.append("NVLink multicast: never used by asynctp (no multimem/multicast calls), whatever the variables above say")
     from asynctp.ops.tuning import cache_path, load
 

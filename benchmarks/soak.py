@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
-    bad = result["silent_wrong_results"] + result["hangs"] + result["leaked_segments"] + result["leaked_store_keys"]
+    bad = result["silent_wrong_results"] + result["hangs"] + result["leaked_segments"] + max(0, result["leaked_store_keys"])
     return 1 if bad else 0
 
 

@@ -115,17 +115,22 @@ def all_gather_matmul_grid(device: str, dtype_name: str, strategy: str) -> int:
 
 
 def under_env(env: dict, fn, *args):
-    """fn(*args) with os.environ updated by env for the call (the ops read ASYNCTP_BATCH_MAJOR and
-    ASYNCTP_GRAPHS at every call); a "splits" entry instead forces the pipelines' row blocks per
-    rank chunk (asynctp.ops.tuning.forced_splits)."""
+    """fn(*args) under the settings in env: "ASYNCTP_GRAPHS" (Config.graphs), "ASYNCTP_BATCH_MAJOR"
+    (asynctp.ops.layout.BATCH_MAJOR), "splits" (the pipelines' row blocks per rank chunk,
+    asynctp.ops.tuning.forced_splits)."""
     import contextlib
     from unittest import mock
 
+    from asynctp.ops import layout
     from asynctp.ops.tuning import forced_splits
 
     env = dict(env)
     splits = env.pop("splits", None)
-    with mock.patch.dict(os.environ, env), (forced_splits(splits) if splits else contextlib.nullcontext()):
+    graphs = {"graphs": env.pop("ASYNCTP_GRAPHS")} if "ASYNCTP_GRAPHS" in env else {}
+    order = env.pop("ASYNCTP_BATCH_MAJOR", layout.BATCH_MAJOR)
+    assert not env, f"under_env knows no setting {sorted(env)}"
+    with asynctp.config.override(**graphs), mock.patch.object(layout, "BATCH_MAJOR", order), \
+            (forced_splits(splits) if splits else contextlib.nullcontext()):
         return fn(*args)
 
 
@@ -520,7 +525,7 @@ def graph_replays() -> list[dict]:
     workspace = asynctp.get_workspace(g, "cuda")
     for round_ in range(2):
         if round_ == 1 and rank == ws - 1:
-            os.environ["ASYNCTP_GRAPHS"] = "0"
+            asynctp.configure(graphs="0")
         graphs.clear(workspace)
         before = graphs.stats(workspace)
         try:
@@ -534,7 +539,7 @@ def graph_replays() -> list[dict]:
                         held.append((name, *kept))
                     del kept
         finally:
-            os.environ.pop("ASYNCTP_GRAPHS", None)
+            asynctp.configure(graphs="auto")
         torch.cuda.synchronize()
         for name, got, want in held:
             for x, y in zip(got, want):

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from asynctp.config import get_config
 from asynctp.compile.report import FusionReport, UnfusedCollectiveError, log, record_graph, snapshot
 from asynctp.compile.rewrite import graph_kind, rewrite_graph
 
@@ -28,7 +29,6 @@ __all__ = ["AsyncTPPass", "enable", "disable", "enabled", "fusion_report"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = tuple(sorted(glob.glob(os.path.join(_HERE, "*.py")) + glob.glob(os.path.join(_HERE, "..", "ops", "*.py"))))
-_ENV_KEYS = ("ASYNCTP_DISABLE_SYMM",)
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,7 +80,7 @@ class AsyncTPPass(CustomGraphPass):
             if other_uuid is None:
                 return None  # an opaque pass: caching could replay a stale graph
             wrapped.append(other_uuid)
-        settings = f"fail={self.fail_if_unfused};" + ";".join(f"{k}={os.environ.get(k)}" for k in _ENV_KEYS)
+        settings = f"fail={self.fail_if_unfused};disable_symm={get_config().disable_symm}"
         return (_sources_hash(), settings, torch.__version__, tuple(wrapped))
 
 

@@ -14,14 +14,14 @@ carve-out and BLAS backend are restored when the call returns.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
+from asynctp.config import get_config
+
 __all__ = ["sm_carveout", "carveout_for"]
 
-_ENV = "ASYNCTP_SM_CARVEOUT"
 # SMs left free per strategy, measured on 2xH200 (M 4096 and 8192, N 3584, K 8192; signals as
 # torch's kernels; docs/performance.md): the pipeline gained nothing from it (the GEMMs lost 3-10%
 # at 4-16 SMs), the ring's NCCL kernels gained 3-8% over NVLink and 9-22% with peer access off at
@@ -30,10 +30,8 @@ _DEFAULTS = {"pipeline": 0, "ring": 16}
 
 
 def carveout_for(strategy: str) -> int:
-    env = os.environ.get(_ENV)
-    if env:
-        return max(0, int(env))
-    return _DEFAULTS.get(strategy, 0)
+    n = get_config().sm_carveout
+    return _DEFAULTS.get(strategy, 0) if n is None else n
 
 
 _get = getattr(torch._C, "_get_sm_carveout_experimental", None)

@@ -3,16 +3,13 @@ captures and replays; this module adds the settings that shape an op's pipeline)
 
 from __future__ import annotations
 
-import os
-
+from asynctp.config import get_config
+from asynctp.ops import layout
 from asynctp.runtime.graphs import GraphCache, call, clear, enabled, mode, stats, tensor_key, usable
 
 __all__ = ["settings", "tensor_key", "call", "clear", "stats", "enabled", "mode", "usable", "GraphCache"]
 
-# read while a call is captured, so a change of either must not replay a graph captured without it
-_KEYED_ENV = ("ASYNCTP_SM_CARVEOUT", "ASYNCTP_BATCH_MAJOR")
-
-
 def settings() -> tuple:
-    """The environment settings a pipelined call reads while it is captured."""
-    return tuple(os.environ.get(name) for name in _KEYED_ENV)
+    """The settings a pipelined call reads while it is captured: a change of either must not
+    replay a graph captured without it."""
+    return get_config().sm_carveout, layout.BATCH_MAJOR

@@ -20,16 +20,15 @@ ScatterLayout.a_runs. Measured on 2xH200: faster from runs of 512 rows (docs/per
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back",
-           "batch_major_ok", "batch_major_mode", "rank_runs", "BATCH_MAJOR_ENV",
+           "batch_major_ok", "batch_major_mode", "rank_runs", "BATCH_MAJOR",
            "BATCH_MAJOR_MIN_ROWS"]
 
-BATCH_MAJOR_ENV = "ASYNCTP_BATCH_MAJOR"  # auto (default) / 1 / 0: gathers / scatters behind leading dims keep the caller's row order
+BATCH_MAJOR = "auto"  # auto (default) / 1 / 0: gathers / scatters behind leading dims keep the caller's row order
 
 
 def moved_back(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -172,11 +171,11 @@ BATCH_MAJOR_MIN_ROWS = 512  # auto: the batch-major order where each run has at 
 
 
 def batch_major_mode() -> str:
-    """ASYNCTP_BATCH_MAJOR: "auto" (unset, the default), "1" (always where possible) or "0" (never)."""
-    mode = os.environ.get(BATCH_MAJOR_ENV, "") or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{BATCH_MAJOR_ENV} requires 'auto', '0' or '1', got {mode!r}")
-    return mode
+    """BATCH_MAJOR: "auto" (the default), "1" (always where possible) or "0" (never); a tuning
+    knob of this module, not a setting."""
+    if BATCH_MAJOR not in ("auto", "0", "1"):
+        raise ValueError(f"asynctp.ops.layout.BATCH_MAJOR requires 'auto', '0' or '1', got {BATCH_MAJOR!r}")
+    return BATCH_MAJOR
 
 
 def batch_major_ok(a: torch.Tensor, dim: int, run_rows: int) -> bool:

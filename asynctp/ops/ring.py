@@ -13,7 +13,6 @@ NCCL's ring), so with bf16 and more than 2 ranks results differ from serial by r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -26,7 +25,7 @@ from asynctp.symm import Lanes
 __all__ = ["ring_gather_and_consume", "ring_produce_and_reduce_scatter"]
 
 _lanes: dict[str, Lanes] = {}
-_SPLITS_ENV = "ASYNCTP_RING_SPLITS"
+SPLITS: int | None = None  # row blocks per chunk for every call (None: by size, below); experiments
 
 
 def ring_splits(rows: int, device: torch.device) -> int:
@@ -36,9 +35,8 @@ def ring_splits(rows: int, device: torch.device) -> int:
     16 SMs carved out, N 3584, K 8192), all-gather:
     M 4096 (2048 rows per rank) 1647 / 1582 / 1619 / 1734 us at 1 / 2 / 4 / 8 blocks (serial
     1661); M 8192 3412 / 3175 / 3130 / 3221 (serial 3269); reduce-scatter alike."""
-    env = os.environ.get(_SPLITS_ENV)
-    if env:
-        return max(1, int(env))
+    if SPLITS is not None:
+        return SPLITS
     if device.type != "cuda":
         return 2 if rows >= 2 else 1  # CI covers the block path
     return 4 if rows >= 2048 else (2 if rows >= 512 else 1)

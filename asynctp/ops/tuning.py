@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from asynctp.config import get_config
+
 __all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays", "forced_splits"]
 
-_CACHE_ENV = "ASYNCTP_TUNING_CACHE"
 _MAX_SPLITS = 8  # the signal channels of the blocks must fit the workspace's flags
 _forced: int | None = None  # row blocks per rank chunk set by forced_splits (tests of multi-block plans)
 # Total matmul FLOPs under which a pipeline is not assumed to pay, without a tuning entry. On
@@ -33,9 +34,9 @@ _picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
 
 
 def cache_path() -> Path:
-    env = os.environ.get(_CACHE_ENV)
-    if env:
-        return Path(env)
+    path = get_config().tuning_cache
+    if path:
+        return Path(path)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "asynctp" / "tuning.json"
 

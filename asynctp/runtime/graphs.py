@@ -20,7 +20,7 @@ that grows drops its graphs; every rank grows at the same call.
 Not used: on CPU, inside the caller's own capture, under torch.compile's tracing, with
 ASYNCTP_GRAPHS=0. A shape with WASTED_PER_SHAPE graphs never replayed (inputs whose addresses recur
 only now and then) is no longer captured, with one warning: a capture costs milliseconds of host
-time. Memory: each graph keeps its intermediates and outputs; at most ASYNCTP_MAX_GRAPHS (64)
+time. Memory: each graph keeps its intermediates and outputs; at most MAX_GRAPHS (64)
 graphs per workspace, least recently used dropped first; clear() drops them all.
 
 When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
@@ -36,8 +36,6 @@ eager). ASYNCTP_GRAPHS=1 captures every key at its second call; 0 never captures
 
 from __future__ import annotations
 
-import functools
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,15 +43,13 @@ from typing import Any
 
 import torch
 
-from asynctp.config import get_timeout, warn_once
+from asynctp.config import get_config, get_timeout, warn_once
 from asynctp.runtime.lag import Lag
 from asynctp.symm import watchdog
 
 __all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", "GraphCache"]
 
-_ENV = "ASYNCTP_GRAPHS"
-_MAX_ENV = "ASYNCTP_MAX_GRAPHS"
-MAX_GRAPHS = int(os.environ.get(_MAX_ENV, "64"))  # per workspace
+MAX_GRAPHS = 64  # per workspace
 DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
 SMALL_CALL_BYTES = 32 << 20  # auto: a key with fewer bytes of inputs + outputs is captured regardless of the queue
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
@@ -64,19 +60,9 @@ _use_count = torch._C._storage_Use_Count
 
 
 def mode() -> str:
-    """ASYNCTP_GRAPHS: "auto" (default), "1" (capture every recurring call) or "0" (never)."""
-    return _parse_mode(os.environ.get(_ENV, "auto"))
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_mode(raw: str) -> str:
-    # cached: every pipelined call reads the setting (twice: usable() and the cache itself)
-    value = raw.strip().lower()
-    if value in ("", "0"):
-        return "0"
-    if value not in ("1", "auto"):
-        raise ValueError(f"{_ENV} requires 0, 1 or auto, got {raw!r}")
-    return value
+    """Config.graphs (ASYNCTP_GRAPHS): "auto" (default), "1" (capture every recurring call) or
+    "0" (never)."""
+    return get_config().graphs
 
 
 def enabled() -> bool:
@@ -293,8 +279,8 @@ class GraphCache:
                 f"graphs-off:{shape}",
                 f"asynctp {key[0]}: {wasted} CUDA graphs of shape {shape[1:]} were never replayed "
                 f"(their inputs did not come back at the same addresses, or more calls had distinct inputs "
-                f"than {_MAX_ENV}={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
-                f"small sizes); keep such inputs in persistent buffers, raise {_MAX_ENV}, or set {_ENV}=0",
+                f"than asynctp.runtime.graphs.MAX_GRAPHS={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
+                f"small sizes); keep such inputs in persistent buffers, raise MAX_GRAPHS, or set ASYNCTP_GRAPHS=0",
             )
             return self._eager(body, "shape off")
         try:
@@ -304,7 +290,7 @@ class GraphCache:
             warn_once(
                 f"graphs-failed:{key[0]}",
                 f"asynctp {key[0]}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
-                f"calls of this shape run eagerly (host-bound at small sizes); {_ENV}=0 skips capture",
+                f"calls of this shape run eagerly (host-bound at small sizes); ASYNCTP_GRAPHS=0 skips capture",
             )
             return self._eager(body, "shape off")
         outs, spec = _flatten(result)

@@ -13,8 +13,6 @@ time equal (112-115 ms), and costs 1.2-2 GiB allocated.
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,21 +22,8 @@ import torch
 
 __all__ = ["Lag", "LAG_SECONDS", "MARK_SECONDS"]
 
-_LAG_ENV = "ASYNCTP_GRAPHS_LAG_MS"
-
-
-def _lag_seconds(raw: str) -> float:
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = float("nan")
-    if not (math.isfinite(ms) and ms >= 0):
-        raise ValueError(f"{_LAG_ENV} requires a number of milliseconds >= 0, got {raw!r}")
-    return ms / 1e3
-
-
 # the GPU is "behind" while work queued this long ago is unfinished
-LAG_SECONDS = _lag_seconds(os.environ.get(_LAG_ENV, "10"))
+LAG_SECONDS = 0.010
 MARK_SECONDS = 2.5e-4  # at most one lag mark (a CUDA event) this often
 _MARKS = int(LAG_SECONDS / MARK_SECONDS) + 12  # marks kept: enough to reach back LAG_SECONDS
 

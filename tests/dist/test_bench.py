@@ -4,7 +4,6 @@ paths as a GPU run, minus CUDA events and graphs. Rank-side bodies first, then t
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -28,7 +27,9 @@ def _config(**kw) -> BenchConfig:
 def _use_cache(path: str) -> None:
     from asynctp.ops import tuning
 
-    os.environ["ASYNCTP_TUNING_CACHE"] = path
+    import asynctp
+
+    asynctp.configure(tuning_cache=path)
     tuning._table = None  # forget any cache loaded from another path by an earlier test
     getattr(tuning, "_picked", {}).clear()
 

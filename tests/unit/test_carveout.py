@@ -4,23 +4,24 @@ context restores torch's global state (CUDA) or does nothing (CPU)."""
 import pytest
 import torch
 
+from asynctp import config
 from asynctp.ops import carveout
 from asynctp.ops.carveout import carveout_for, sm_carveout
 
 
-def test_defaults_and_override(monkeypatch):
-    monkeypatch.delenv("ASYNCTP_SM_CARVEOUT", raising=False)
-    assert carveout_for("pipeline") == carveout._DEFAULTS["pipeline"]
-    assert carveout_for("ring") == carveout._DEFAULTS["ring"]
-    assert carveout_for("serial") == 0
-    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "7")
-    assert carveout_for("pipeline") == 7 and carveout_for("ring") == 7
-    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "-3")
-    assert carveout_for("ring") == 0
+def test_defaults_and_override():
+    with config.override(sm_carveout=None):
+        assert carveout_for("pipeline") == carveout._DEFAULTS["pipeline"]
+        assert carveout_for("ring") == carveout._DEFAULTS["ring"]
+        assert carveout_for("serial") == 0
+    with config.override(sm_carveout=7):
+        assert carveout_for("pipeline") == 7 and carveout_for("ring") == 7
+    with pytest.raises(ValueError, match="ASYNCTP_SM_CARVEOUT requires an integer >= 0, got '-3'"):
+        config.Config.from_env({"ASYNCTP_SM_CARVEOUT": "-3"})  # never clamped silently
 
 
 def test_cpu_is_a_no_op(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "16")
+    monkeypatch.setattr(config, "_current", config.Config(sm_carveout=16))
     before = torch._C._get_sm_carveout_experimental()
     with sm_carveout(torch.device("cpu"), "ring"):
         assert torch._C._get_sm_carveout_experimental() == before
@@ -29,7 +30,7 @@ def test_cpu_is_a_no_op(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_sets_and_restores(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_SM_CARVEOUT", "16")
+    monkeypatch.setattr(config, "_current", config.Config(sm_carveout=16))
     before = torch._C._get_sm_carveout_experimental(), torch._C._get_blas_preferred_backend()
     with pytest.raises(RuntimeError, match="inside"):
         with sm_carveout(torch.device("cuda"), "ring"):

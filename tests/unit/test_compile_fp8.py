@@ -12,6 +12,7 @@ import importlib
 import pytest
 import torch
 
+import asynctp.config
 from asynctp.compile.rewrite import HP_GATHER_CAST, NO_SCALED_OP, rewrite_graph
 from tests import cases_compile as cc
 
@@ -135,7 +136,7 @@ def test_type_erased_gather_dim1_bias_and_two_matmuls():
 
 @pytest.mark.skipif(not HAS_SCALED, reason="this asynctp has no fused scaled ops")
 def test_no_symmetric_workspace_is_fused_with_a_note(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")  # the scaled ops then overlap over send/recv
+    monkeypatch.setattr(asynctp.config, "_current", asynctp.config.Config(disable_symm=True))  # the scaled ops then overlap over send/recv
 
     def f(x, w, sa, sb):
         return torch._scaled_mm(cc.gather(x.to(F8), 0), w.to(F8).t(), sa, sb, out_dtype=BF16)

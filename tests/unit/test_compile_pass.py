@@ -11,6 +11,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import asynctp.config
 import asynctp.compile as atc
 from asynctp.compile.rewrite import graph_kind
 from tests import cases_compile as cc
@@ -94,7 +95,7 @@ def test_wraps_an_installed_pass_where_torch_takes_one_pass(monkeypatch):
 def test_uuid_tracks_settings(monkeypatch):
     a, b = atc.AsyncTPPass(False).uuid(), atc.AsyncTPPass(True).uuid()
     assert a == atc.AsyncTPPass(False).uuid() and a != b
-    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")  # changes what the pass fuses
+    monkeypatch.setattr(asynctp.config, "_current", asynctp.config.Config(disable_symm=True))  # changes what the pass fuses
     assert atc.AsyncTPPass(False).uuid() != a
     assert atc.AsyncTPPass(False, (lambda g: None,)).uuid() is None  # an opaque wrapped pass: no caching
     assert atc.AsyncTPPass(False, (Recorder(),)).uuid() is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import asynctp.config
 from asynctp.compile.rewrite import rewrite_graph
 from tests import cases_compile as cc
 
@@ -112,7 +113,7 @@ def test_gathered_weight_is_not_a_tp_collective():
 
 
 def test_no_symmetric_workspace_is_fused_with_a_note(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_DISABLE_SYMM", "1")  # the op then overlaps over send/recv
+    monkeypatch.setattr(asynctp.config, "_current", asynctp.config.Config(disable_symm=True))  # the op then overlaps over send/recv
     _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
     assert rec.fused and rec.reason.startswith("group has no symmetric workspace") and "ring" in rec.reason
     _, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0), (4, 8), (8, 6))

@@ -115,7 +115,7 @@ def test_checks_name_the_argument():
 
 
 def test_tuning_cache_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCTP_TUNING_CACHE", str(tmp_path / "t.json"))
+    monkeypatch.setattr(config, "_current", config.Config(tuning_cache=str(tmp_path / "t.json")))
     monkeypatch.setattr(tuning, "_table", None)
     key = ("bfloat16", 4096, 3584, 8192)
     tuning.record("all_gather_matmul", 2, torch.device("cpu"), key, "serial")
@@ -158,19 +158,16 @@ def test_rule_for_unmeasured_shapes():
     assert tuning._rule("scaled_matmul_reduce_scatter", ("float8_e4m3fn-rowwise", 1024, 8192, 3584)) == "serial"
 
 
-@pytest.mark.parametrize("env, rows, expected", [
-    (None, 512, True), (None, 511, False), ("auto", 4096, True), ("1", 8, True), ("0", 4096, False),
+@pytest.mark.parametrize("order, rows, expected", [
+    ("auto", 512, True), ("auto", 511, False), ("auto", 4096, True), ("1", 8, True), ("0", 4096, False),
 ])
-def test_batch_major_order_gate(monkeypatch, env, rows, expected):
+def test_batch_major_order_gate(monkeypatch, order, rows, expected):
     """auto (default): the batch-major order where a rank's run of rows per batch element reaches
     BATCH_MAJOR_MIN_ROWS; "1" / "0" force it; never for a batch of one or the last dim."""
     from asynctp.ops import layout
 
-    assert layout.BATCH_MAJOR_MIN_ROWS == 512
-    if env is None:
-        monkeypatch.delenv(layout.BATCH_MAJOR_ENV, raising=False)
-    else:
-        monkeypatch.setenv(layout.BATCH_MAJOR_ENV, env)
+    assert layout.BATCH_MAJOR_MIN_ROWS == 512 and layout.BATCH_MAJOR == "auto"
+    monkeypatch.setattr(layout, "BATCH_MAJOR", order)
     shard = torch.zeros(3, rows, 4)
     assert (gather_layout(shard, 1, 2, batch_major=True).segment > 0) == expected
     assert (scatter_layout(torch.zeros(3, 2 * rows, 4), 1, 2, batch_major=True).segment > 0) == expected
@@ -179,7 +176,12 @@ def test_batch_major_order_gate(monkeypatch, env, rows, expected):
     assert gather_layout(shard, 2, 2, batch_major=True).segment == 0
 
 
-def test_batch_major_env_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_BATCH_MAJOR", "yes")
-    with pytest.raises(ValueError, match="ASYNCTP_BATCH_MAJOR requires 'auto', '0' or '1', got 'yes'"):
-        gather_layout(torch.zeros(3, 512, 4), 1, 2, batch_major=True)
+def test_no_module_reads_the_environment_but_config():
+    """One configuration: asynctp's settings are read in asynctp/config.py only."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(asynctp.__file__).parent
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if re.search(r"os\.environ\.get\(.ASYNCTP_|getenv\(.ASYNCTP_", p.read_text()))
+    assert readers == [], readers

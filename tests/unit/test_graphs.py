@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from asynctp import config
 from asynctp.runtime import graphs, lag as lags
 
 
@@ -221,14 +222,14 @@ def test_keys_lose_only_the_addresses():
                                   ((torch.Size([2, 3]), (3, 1), torch.float32), None), "sum")
 
 
-def test_disabled_by_the_environment(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_GRAPHS", "0")
+def test_disabled_by_the_setting(monkeypatch):
+    monkeypatch.setattr(config, "_current", config.Config(graphs="0"))
     assert not graphs.usable(SimpleNamespace(backend="cuda"))
     assert not graphs.usable(None)
 
 
 def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
-    monkeypatch.delenv("ASYNCTP_GRAPHS", raising=False)  # the default: auto
+    monkeypatch.setattr(config, "_current", config.Config())  # the default: auto
     monkeypatch.setattr(graphs, "SMALL_CALL_BYTES", 0)  # these tensors count as large
     x, w = torch.ones(2, 3), torch.eye(3)
     lag = FakeLag()
@@ -269,7 +270,7 @@ def test_auto_captures_small_calls_regardless_of_the_queue(monkeypatch):
     """Inputs + first outputs under SMALL_CALL_BYTES: captured at the second call even while the
     GPU is behind (a run's first steps, a peer's GPU waiting at a signal, look that way); one
     byte over: left eager, then eager for good."""
-    monkeypatch.delenv("ASYNCTP_GRAPHS", raising=False)
+    monkeypatch.setattr(config, "_current", config.Config())
     x, w = torch.ones(2, 3), torch.eye(3)
     nbytes = (x.numel() + w.numel() + 2 * 12) * 4  # x, w; gathered [4, 3] and out [4, 3]
     for limit, counts in ((nbytes + 1, {"eager": 1, "captured": 1, "replayed": 4}),
@@ -285,7 +286,7 @@ def test_auto_captures_small_calls_regardless_of_the_queue(monkeypatch):
 
 
 def test_graphs_setting_one_captures_regardless_of_the_queue(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_GRAPHS", "1")
+    monkeypatch.setattr(config, "_current", config.Config(graphs="1"))
     lag, x, w = FakeLag(), torch.ones(2, 3), torch.eye(3)
     cache = make_cache(lag)
     for _ in range(4):
@@ -322,14 +323,6 @@ def test_lag_keeps_marks_back_to_lag_seconds_at_the_busiest_marking_rate():
     assert lag.behind()
 
 
-def test_lag_setting_is_checked():
-    assert lags._lag_seconds("10") == 0.01 and lags._lag_seconds("0") == 0.0
-    for bad in ("soon", "-1", "nan", "inf"):
-        with pytest.raises(ValueError, match=f"ASYNCTP_GRAPHS_LAG_MS requires a number of milliseconds >= 0, got '{bad}'"):
-            lags._lag_seconds(bad)
-
-
-def test_graphs_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("ASYNCTP_GRAPHS", "sometimes")
-    with pytest.raises(ValueError, match="ASYNCTP_GRAPHS requires 0, 1 or auto, got 'sometimes'"):
-        graphs.mode()
+def test_graphs_setting_is_checked():
+    with pytest.raises(ValueError, match="ASYNCTP_GRAPHS requires auto, 0 or 1, got 'sometimes'"):
+        config.Config.from_env({"ASYNCTP_GRAPHS": "sometimes"})
