@@ -54,10 +54,13 @@ def all_gather_scaled_matmul(
     dim, the last one too: then K = R * K'); bs[i] [K, N_i] float8 (weight_fp8.t(), column-major
     on CUDA); biases[i] [N_i] of out_dtype. Scales are float32 dequantization multipliers:
     a_scale numel 1 (tensorwise: it must be identical on every rank, which asynctp.float8's
-    quantize_activation guarantees) or a_shard.shape[:-1] + (1,) (rowwise: gathered with its
-    rows in the same pipeline); b_scales[i] numel 1 or (1, N_i). Gathering along K with rowwise
-    scales gives each row one scale per rank's K block: each block's product is scaled by its own
-    scale and the blocks are summed in fp32 (there is no single _scaled_mm for it).
+    quantize_activation guarantees by agreeing on the amax over the group; on CPU its value is
+    part of the call's signature, so ranks whose values differ raise; on CUDA it is not read,
+    which would be a host sync: take it from asynctp.float8) or a_shard.shape[:-1] + (1,)
+    (rowwise: gathered with its rows in the same pipeline); b_scales[i] numel 1 or (1, N_i).
+    Gathering along K with rowwise scales gives each row one scale per rank's K block: each
+    block's product is scaled by its own scale and the blocks are summed in fp32 (there is no
+    single _scaled_mm for it).
     out_dtype: torch.bfloat16 or torch.float32. Outputs never alias a shared buffer.
 
     strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
