@@ -37,7 +37,6 @@ PUBLIC_API_FROM = 8  # `import asynctp` (the public API) only from this rank up
 IMPORTLIB_ALLOWED = {
     "asynctp/__init__.py": "asynctp.compile loads inductor (about a second): loaded on first attribute access",
     "asynctp/cli.py": "each subcommand's module (bench, demo) is loaded only when the command line names it",
-    "asynctp/compile/rewrite.py": "_scaled_op registers an fp8 op by module name; to become a direct import",
 }
 # known import-direction violations: (importer, imported package) -> why it is still there
 ALLOWED: dict[tuple[str, str], str] = {}
