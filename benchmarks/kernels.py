@@ -74,6 +74,8 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None) -> list
             row["no_wait_us"] = _time(plain)
             row["waits_us"] = _time(waits)
             row["fused_ag_us"] = _fused_ag(a, b, sa, sb, out, world, cfg)
+            if sa is None:  # in place: the own rows read from their own tensor
+                row["fused_ag_in_place_us"] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True)
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
@@ -81,7 +83,7 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None) -> list
     return rows
 
 
-def _fused_ag(a, b, sa, sb, out, world, cfg) -> float:
+def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False) -> float:
     """The all-gather's call: rank 0 of `world`, the own rows staged on the same stream (an
     upper bound: the op stages them on a copy engine beside the GEMM), every remote flag set,
     flags reset by the kernel (set again before each run)."""
@@ -93,9 +95,10 @@ def _fused_ag(a, b, sa, sb, out, world, cfg) -> float:
 
     def run():
         flags.fill_(1)
-        a[:shard].copy_(mine)  # the staging copy of the own rows
+        if not in_place:
+            a[:shard].copy_(mine)  # the staging copy of the own rows
         launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), counters=counters, a_scale=sa,
-               b_scale=sb, config=cfg)
+               b_scale=sb, config=cfg, a_local=mine if in_place else None)
 
     return _time(run)
 
@@ -197,7 +200,7 @@ def main(argv=None) -> None:
                 result["producer"].append(bench_producer(label, m, n, k, fp8))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} ratio")
+    print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} {'inplace':>8} ratio")
     for r in result["gemm"]:
         c = r["config"]
         tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}"
@@ -205,7 +208,7 @@ def main(argv=None) -> None:
             print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['error'][:60]}")
             continue
         print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['cublas_us']:7.1f} {r['no_wait_us']:7.1f} "
-              f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
+              f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r.get('fused_ag_in_place_us', float('nan')):8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
     for r in result["producer"]:
         print(f"producer {r['shape']:20} {r['dtype']:12} cublas {r['cublas_us']:.1f} "
               f"producer {r.get('producer_us', float('nan')):.1f} {r.get('error', '')[:80]}")

@@ -31,13 +31,27 @@ def _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _mainloop(a_desc, b_desc, row, off_n, k_tiles, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              B_TRANS: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_tiles):
+        off_k = ki * BK
+        a = a_desc.load([row, off_k])
+        if B_TRANS:
+            acc = tl.dot(a, b_desc.load([off_n, off_k]).T, acc)
+        else:
+            acc = tl.dot(a, b_desc.load([off_k, off_n]), acc)
+    return acc
+
+
+@triton.jit
 def _ag_mm_kernel(
-    a_desc, b_desc, c_desc,
+    a_desc, b_desc, c_desc, a_ptr, a_local_ptr, stride_am,
     sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     M, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src,
     sig_src, sig_blk, out_src, out_blk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    ALIGNED: tl.constexpr, WAIT: tl.constexpr, RESET: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr, WAIT: tl.constexpr, RESET: tl.constexpr, LOCAL: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -78,14 +92,18 @@ def _ag_mm_kernel(
                 for cc in range(c_lo, c_hi + 1):
                     _spin(sig_ptr + cc * sig_src)
         off_n = pn * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BK
-            a = a_desc.load([row_a, off_k])
-            if B_TRANS:
-                acc = tl.dot(a, b_desc.load([off_n, off_k]).T, acc)
-            else:
-                acc = tl.dot(a, b_desc.load([off_k, off_n]), acc)
+        if LOCAL:
+            # the local source's rows from the caller's tensor (no staging copy): a descriptor
+            # made per tile over whichever allocation holds the tile's rows, one mainloop
+            is_local = src == local_src
+            base = tl.where(is_local, a_local_ptr, a_ptr)
+            rows_in = tl.where(is_local, rows_per_src, M)
+            row_ld = tl.where(is_local, row_a - local_src * rows_per_src, row_a)
+            tile_desc = tl.make_tensor_descriptor(base, shape=[rows_in, K], strides=[stride_am, 1],
+                                                  block_shape=[BM, BK])
+            acc = _mainloop(tile_desc, b_desc, row_ld, off_n, k_tiles, BM, BN, BK, B_TRANS)
+        else:
+            acc = _mainloop(a_desc, b_desc, row_a, off_n, k_tiles, BM, BN, BK, B_TRANS)
         cols = off_n + tl.arange(0, BN)
         if A_SCALE == 1:
             acc = acc * tl.load(a_scale_ptr)
@@ -112,13 +130,24 @@ def _scale_mode(scale: torch.Tensor | None) -> int:
     return 0 if scale is None else (1 if scale.numel() == 1 else 2)
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors made on the device (tl.make_tensor_descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
-           bias, cfg: Config, num_sms: int) -> None:
+           bias, cfg: Config, num_sms: int, a_local=None) -> None:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_total, k = n * chunk_rows, a.shape[1]
     nn_ = out.shape[1]
     aligned = chunk_rows % bm == 0
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
+    if a_local is not None:
+        if not aligned or a_local.stride(0) != a.stride(0):
+            raise ValueError(f"async_input_mm: a_local requires chunks of a multiple of {bm} rows and a's row "
+                             f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
+        if a.is_cuda:
+            triton.set_allocator(_scratch)
     b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
                               [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
     c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
@@ -129,14 +158,15 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     grid = (max(1, min(num_sms, tiles)),)
     dummy = out
     _ag_mm_kernel[grid](
-        a_desc, b_desc, c_desc,
+        a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
         signals if signals is not None else dummy, counters if counters is not None else dummy,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
         m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
         sig_src, sig_blk, out_src, out_blk,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
-        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
+        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
+        B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
         HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )

@@ -149,6 +149,7 @@ def launch(
     pivot: int,
     cmap: ChunkMap,
     *,
+    a_local: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
@@ -158,7 +159,9 @@ def launch(
     """Launch the GEMM (CUDA tensors, arguments already checked by the caller).
 
     sig_strides: (number of chunks n, flag stride per source, flag stride per block), in flags;
-    signals None: no waits (every row already in place). a: the workspace rows (rank-major)."""
+    signals None: no waits (every row already in place). a: the workspace rows (rank-major);
+    a_local: the local source's rows (cmap.local_src), read in place of a's (no staging copy;
+    rowwise scales must then be whole in a_scale)."""
     from asynctp.kernels import _ag_kernel as kern
 
     n, sig_src, sig_blk = sig_strides
@@ -169,7 +172,7 @@ def launch(
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
     kern.launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap,
-                counters, a_scale, b_scale, bias, cfg, sm_count(a.device))
+                counters, a_scale, b_scale, bias, cfg, sm_count(a.device), a_local=a_local)
 
 
 def available(a: torch.Tensor, chunk_rows: int, config: Config | None = None) -> str | None:

@@ -27,10 +27,6 @@ def eager_call_ok(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-# ops whose single-launch GEMM measured at least as fast as the decomposition (docs/performance.md)
-_FUSED_FIRST = ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
-
-
 def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple) -> tuple[str, Workspace | None]:
     """(strategy to run, workspace or None). "auto" asks the tuning table first, so a shape it
     keeps serial costs no more host time than strategy="serial" (small calls are host-bound).
@@ -46,8 +42,4 @@ def choose(op: str, strategy: str, group, device: torch.device, shape_key: tuple
     ws = get_workspace(group, device)
     if ws is None:
         return ("ring" if requested == "auto" and ring_pays(device, shape_key) else "serial"), None
-    if requested == "auto" and strategy == "pipeline" and device.type == "cuda" and op in _FUSED_FIRST:
-        # the single-launch GEMM where it serves the call (else the decomposition): measured as
-        # fast or faster for the reduce-scatter, slower for the all-gather (docs/performance.md)
-        strategy = "fused"
     return strategy, ws

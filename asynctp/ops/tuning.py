@@ -104,10 +104,19 @@ def pick(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
     return choice
 
 
+# ops whose single-launch GEMM measured at least as fast as the decomposition at the seed
+# shapes (2xH100, docs/performance.md): unmeasured shapes start there
+_FUSED_FIRST = ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
+
+
 def _rule(op: str, shape_key: tuple) -> str:
-    """The choice for a shape nobody measured: the pipeline from the M 2048 seed shape's FLOPs up."""
+    """The choice for a shape nobody measured: from the M 2048 seed shape's FLOPs up, the
+    single-launch GEMM for the reduce-scatters (it falls back to the decomposition where it
+    cannot serve a call), the decomposition for the all-gathers; serial below."""
     _, m, n, k = shape_key
-    return "pipeline" if 2 * m * n * k >= _MIN_PIPELINE_FLOP else "serial"
+    if 2 * m * n * k < _MIN_PIPELINE_FLOP:
+        return "serial"
+    return "fused" if op in _FUSED_FIRST else "pipeline"
 
 
 def ring_pays(device: torch.device, shape_key: tuple) -> bool:

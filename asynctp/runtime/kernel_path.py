@@ -2,12 +2,12 @@
 on the copy stream, ONE persistent GEMM on the caller's stream that waits per chunk on the GPU.
 
 all-gather -> matmul, rank r of R (chunk = a block of one rank's rows, or a batch-major run):
-    copy stream:  the shard into the own slot, block by block (copy engine), each block's flag
-                  set in the own pad | barrier(0) | push the shard into slot r of r-1, r-2, ...,
+    copy stream:  barrier(0) | push the shard into slot r of r-1, r-2, ...,
                   then put_signal(that peer, block) | when the caller keeps the gathered rows:
                   each arrived block copied out of the workspace
-    caller:       async_input_mm over the workspace rows, pivot = r's own first block, then
-                  r's other blocks, r+1, r+2, ... as their flags arrive; further weights of the
+    caller:       async_input_mm over the workspace rows, pivot = r's own first block (read
+                  from the caller's shard in place), then r's other blocks, r+1, r+2, ... as
+                  their flags arrive; further weights of the
                   same gather: the same GEMM without waits; every flag zeroed after the join
 matmul -> reduce-scatter, rank r:
     caller:       producer GEMM: the peers' blocks first (r+1, r+2, ...), then the own chunk,
@@ -139,11 +139,12 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     order (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment)). fp8:
     a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows).
 
-    The copy stream stages the own rows in the own slot, block by block, each followed by a flag
-    in the own pad (a copy engine: the GEMM that waits for it may hold every SM), then pushes
-    the rows to the peers and, when the caller keeps the gathered rows, copies each arrived
-    block out of the workspace beside the GEMM. Every flag is zeroed after the join (the GEMM
-    and the copy stream both read them)."""
+    The GEMM reads the own rows where they are. The copy stream pushes the rows to the peers
+    and, when the caller keeps the gathered rows, copies each arrived block out of the workspace
+    beside the GEMM (copy engines: the GEMM that waits may hold every SM). Every flag is zeroed
+    after the join (the GEMM and the copy stream both read them). Rowwise fp8 stages the own
+    rows and scales in the own slot first, each block flagged in the own pad. A staged GEMM
+    measured slower than the decomposition (2xH100, M 4096: 439-445 us against 370-374)."""
     world, rank = ws.world_size, ws.rank
     m, k = shard_2d.shape
     dtype = shard_2d.dtype
@@ -157,14 +158,17 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     out_dtype = out_dtype or dtype
     outs = [shard_2d.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
     gathered = shard_2d.new_empty((world * m, k)) if keep_gathered else None
-    cmap = ChunkMap(blocks=blocks, out_src=segment or None, out_blk=world * segment or None)
+    # the GEMM reads the own rows in place (a descriptor per tile), except rowwise fp8, whose
+    # scales it reads from one tensor: then the own rows and scales are staged in the own slot
+    in_place = scale_rows is None
+    cmap = ChunkMap(blocks=blocks, local_src=rank if in_place else -1, out_src=segment or None,
+                    out_blk=world * segment or None)
     lanes = ws.lanes
     lanes.fork()
     with lanes.copy():
-        # the own rows into the own slot first: the GEMM starts on them (the workspace contract
-        # allows local writes before the opening barrier); pushes queued behind a peer's on a
-        # shared copy engine would hold them back by a whole push (2xH100, M 4096: 445 us vs 374)
-        for j in range(blocks):
+        # staging: the own rows into the own slot first (a copy engine; the workspace contract
+        # allows local writes before the opening barrier), each block flagged in the own pad
+        for j in range(0 if in_place else blocks):
             lo, hi = rank * m + j * rows, rank * m + (j + 1) * rows
             all_rows[lo:hi].copy_(shard_2d[j * rows : (j + 1) * rows])
             if all_scales is not None:
@@ -196,7 +200,7 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     a_scale_ws = all_scales if scale_rows is not None else a_scale
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
         launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
-               b_scale=b_scale, bias=bias)
+               b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     lanes.join()
     flags.view(torch.int32).zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs

@@ -106,7 +106,8 @@ def test_late_signals_out_of_order(pivot):
     assert torch.equal(out, expected)
 
 
-def test_chunk_map_and_flags_reset():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_chunk_map_and_flags_reset(in_place):
     """The fused all-gather's call: 2 sources x 2 blocks, the local source's flags never awaited
     (its rows are staged), flags and counters reset by the last tile of each chunk."""
     world, blocks, m, k, n = 2, 2, 512, 384, 640
@@ -115,14 +116,15 @@ def test_chunk_map_and_flags_reset():
         mine = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         full = ws.clone()
         full[local * m : (local + 1) * m] = mine
-        ws[local * m : (local + 1) * m] = mine  # staged: the own slot holds the own rows
+        # staged: the own slot holds the own rows; in place: read from their own tensor
+        ws[local * m : (local + 1) * m] = float("nan") if in_place else mine
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
         flags = torch.zeros(world * blocks, dtype=torch.int32, device="cuda")
         flags.view(blocks, world)[:, 1 - local] = 1  # flag of (src, blk) at src + blk * world
         counters = torch.zeros(world * blocks, dtype=torch.int32, device="cuda")
         out = torch.empty(world * m, n, device="cuda", dtype=torch.bfloat16)
         launch(ws, b, out, flags, (world * blocks, 1, world), m // blocks, local * blocks,
-               ChunkMap(blocks=blocks, local_src=local), counters=counters)
+               ChunkMap(blocks=blocks, local_src=local), counters=counters, a_local=mine if in_place else None)
         plain = async_input_mm(full, b, _flags(1), 0)
         assert torch.equal(out, plain)
         assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0

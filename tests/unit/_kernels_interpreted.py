@@ -23,6 +23,13 @@ flags = torch.ones(8, dtype=torch.int32)
 counters = torch.zeros(4, dtype=torch.int32)
 kern.launch(a, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, None, None, None, cfg, 3)
 assert torch.equal(out, a @ b) and flags.tolist() == [0, 1, 0, 1, 1, 1, 1, 1] and counters.count_nonzero() == 0
+ws = a.clone()
+ws[32:] = float("nan")  # source 1's rows come from their own tensor
+flags = torch.ones(8, dtype=torch.int32)
+out.fill_(float("nan"))
+kern.launch(ws, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, None, None, None, cfg,
+            3, a_local=a[32:].clone())
+assert torch.equal(out, a @ b)
 for rank in range(3):
     a3 = torch.randint(-3, 4, (3 * 32, 24)).float()
     received = torch.randint(-3, 4, (3, 32, 40)).float()
