@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from asynctp.kernels._ag_kernel import _scale_mode, _spin, _tile
+from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _tile
 from asynctp.kernels.configs import Config
 
 
@@ -36,14 +36,7 @@ def _rs_mm_kernel(
         row_a = dst * a_dst + j * a_blk + pm * BM
         row_c = j * br + pm * BM  # within the chunk
         off_n = pn * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BK
-            a = a_desc.load([row_a, off_k])
-            if B_TRANS:
-                acc = tl.dot(a, b_desc.load([off_n, off_k]).T, acc)
-            else:
-                acc = tl.dot(a, b_desc.load([off_k, off_n]), acc)
+        acc = _mainloop(a_desc, b_desc, row_a, off_n, k_tiles, BM, BN, BK, B_TRANS)
         rows = tl.arange(0, BM)
         cols = off_n + tl.arange(0, BN)
         if A_SCALE == 1:
