@@ -266,7 +266,7 @@ def bad_inputs(device: str) -> list[str]:
         (ValueError, "scatter_dim requires a dim", lambda: asynctp.matmul_reduce_scatter(a, b, -3, g)),
         (ValueError, f"divisible by the world size {ws}", lambda: asynctp.matmul_reduce_scatter(a[: ws + 1], b, 0, g)),
         (ValueError, "reduce_op requires one of", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, g, reduce_op="max")),
-        (TypeError, "ProcessGroup or its name", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, None)),
+        (TypeError, "ProcessGroup or its name", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, 3)),
         (ValueError, "requires shape (6,)", lambda: asynctp.matmul_reduce_scatter(a_rs, b, 0, g, bias=b[0, :3])),
     ]
     if device == "cuda":

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -82,6 +83,29 @@ def output_shapes(gm: fx.GraphModule) -> list[tuple[int, ...] | None]:
         val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
         vals.append(tuple(val.shape) if isinstance(val, torch.Tensor) else None)
     return vals
+
+
+RS_OP = "asynctp.matmul_reduce_scatter.default"  # node targets as targets() names them
+C10D_RS = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+@pytest.fixture(scope="module")
+def fake_world() -> Iterator[dist.ProcessGroup]:
+    """fake_group() for a whole test module (request it with pytest.mark.usefixtures)."""
+    with fake_group(FAKE_WORLD) as group:
+        yield group
+
+
+def rewrite(fn: Callable[..., Any], *shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> tuple[fx.GraphModule, list[Any]]:
+    """fn traced, then rewritten by asynctp's pass (in place); the outputs keep their shapes."""
+    from asynctp.compile.rewrite import rewrite_graph
+
+    gm = trace(fn, *shapes, dtype=dtype)
+    before = output_shapes(gm)
+    records = rewrite_graph(gm.graph)
+    gm.recompile()
+    assert output_shapes(gm) == before  # same outputs, same shapes
+    return gm, records
 
 
 # --- rank side: a tiny sequence-parallel block under DTensor styles -----------------------------

@@ -212,7 +212,7 @@ def bad_linear_inputs(device: str) -> list[str]:
         (ValueError, "weight requires an nn.Linear weight of shape (N, 8)", lambda: linear_reduce_scatter(x, w.t(), group=g)),
         (ValueError, f"requires a size divisible by the world size {ws}", lambda: linear_reduce_scatter(x[:1], w, group=g)),
         (ValueError, "bias requires shape (5,)", lambda: linear_reduce_scatter(x, w, w[0, :4], group=g, scatter_dim=1)),
-        (TypeError, "ProcessGroup or its name", lambda: all_gather_linear(x, w, group=None)),
+        (TypeError, "ProcessGroup or its name", lambda: all_gather_linear(x, w, group=3)),
     ]
     messages = expect_errors(cases)
     return messages

@@ -39,6 +39,7 @@ __all__ = [
     "ancestors",
     "tensor_of",
     "unforeseen",
+    "embedding_hint",
 ]
 
 aten = torch.ops.aten
@@ -248,6 +249,28 @@ def reaches_scaled_mm_a(result: fx.Node, max_nodes: int = 64) -> bool:
         if node.op == "call_function" and node.target not in MATMULS and "_c10d_functional" not in str(node.target):
             todo.extend(node.users)
     return any(n.target is aten._scaled_mm.default and n.args[0] in seen for n in seen)
+
+
+_EMBEDDING_OPS = ("embedding", "index_put", "index_select", "_unsafe_masked_index")
+EMBEDDING_HINT = "; it belongs to the embedding (a row lookup or its scatter-add: no matmul to overlap with)"
+
+
+def embedding_hint(node: fx.Node, upward: bool = True, max_nodes: int = 16) -> str:
+    """Names the vocabulary-parallel embedding when `node` is close to one (its inputs when
+    upward, else its users): the embedding's reduce-scatter and its backward gather have no
+    matmul in the graph, so nothing can be fused with them."""
+    todo, seen = [node], set()
+    while todo and len(seen) < max_nodes:
+        current = todo.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        name = str(current.target)
+        if any(op in name for op in _EMBEDDING_OPS):
+            return EMBEDDING_HINT
+        if current.op == "call_function" and current.target not in MATMULS and "_c10d_functional" not in name:
+            todo.extend(current.all_input_nodes if upward else current.users)
+    return ""
 
 
 def unforeseen(exc: Exception) -> str:

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 import asynctp.ops.all_gather_scaled_matmul  # noqa: F401 - registers torch.ops.asynctp.all_gather_scaled_matmul
 import asynctp.ops.scaled_matmul_reduce_scatter  # noqa: F401 - registers its op too
+from asynctp.compile import partials
 from asynctp.compile import patterns as pt
 from asynctp.compile.report import CollectiveRecord
 
@@ -149,7 +150,8 @@ class _Rewriter:
             elif not notes and pt.reaches_scaled_mm_a(g.result):
                 reason = HP_GATHER_CAST
             users = ", ".join(sorted(u.name for u in g.result.users))
-            return CollectiveRecord(fused=False, reason=f"{reason} (users: {users})", tp=not notes, **record)
+            hint = pt.embedding_hint(g.result, upward=False) if not notes else ""
+            return CollectiveRecord(fused=False, reason=f"{reason} (users: {users}){hint}", tp=not notes, **record)
         problem = self._gather_problem(g, matmuls)
         if problem:
             return CollectiveRecord(fused=False, reason=problem, num_matmuls=len(matmuls), **record)
@@ -247,7 +249,7 @@ class _Rewriter:
             return CollectiveRecord(fused=False, reason="the reduce-scatter input is not a graph value", **record)
         m, why = pt.producer_matmul(r.input)
         if m is None:
-            return CollectiveRecord(fused=False, reason=f"reduce-scatter input is not a matmul: {why}", **record)
+            return self._reduce_scatter_partial(r, why, record)
         problem = self._rs_problem(r, m)
         if problem:
             return CollectiveRecord(fused=False, reason=problem, num_matmuls=1, **record)
@@ -271,6 +273,23 @@ class _Rewriter:
         fused = self.call(torch.ops.asynctp.matmul_reduce_scatter.default, args, r.wait)
         self.finish_reduce_scatter(r, m, fused)
         return CollectiveRecord(fused=True, op=RS_OP, num_matmuls=1, reason=_ring_note(r.group_name, val), **record)
+
+    def _reduce_scatter_partial(self, r: pt.ReduceScatter, why: str | None, record: dict) -> CollectiveRecord:
+        """The input is a sum of matmul products and/or row ops after one (see partials.py)."""
+        between: list[fx.Node] = []
+        terms, deeper = partials.match_terms(r.input, between)
+        if terms is None:
+            reason = deeper if r.input.target in partials.FOLDED else why
+            return CollectiveRecord(fused=False, reason=f"reduce-scatter input is not a matmul: {reason}"
+                                    f"{pt.embedding_hint(r.input)}", **record)
+        problem = partials.terms_problem(terms)
+        if problem is None and r.reduce_op not in ("sum", "avg"):
+            problem = f"reduce op {r.reduce_op!r} (asynctp fuses sum and avg)"
+        problem = problem or partials.fuse_terms(self, r, terms, between)
+        if problem:
+            return CollectiveRecord(fused=False, reason=problem, num_matmuls=len(terms), **record)
+        note = _ring_note(r.group_name, pt.tensor_of(r.input))
+        return CollectiveRecord(fused=True, op=RS_OP, num_matmuls=len(terms), reason=note, **record)
 
     def _rs_problem(self, r: pt.ReduceScatter, m: pt.Matmul) -> str | None:
         if m.problem:

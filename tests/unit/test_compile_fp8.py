@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import asynctp.config
-from asynctp.compile.rewrite import HP_GATHER_CAST, NO_SCALED_OP, rewrite_graph
+from asynctp.compile.rewrite import HP_GATHER_CAST, NO_SCALED_OP
 from tests import cases_compile as cc
 
 F8 = torch.float8_e4m3fn
@@ -38,13 +38,7 @@ def fake_world():
         yield group
 
 
-def rewrite(fn, *shapes):
-    gm = cc.trace(fn, *shapes)
-    before = cc.output_shapes(gm)
-    records = rewrite_graph(gm.graph)
-    gm.recompile()
-    assert cc.output_shapes(gm) == before
-    return gm, records
+rewrite = cc.rewrite
 
 
 def check_fused(rec, op: str) -> None:
@@ -135,13 +129,12 @@ def test_type_erased_gather_dim1_bias_and_two_matmuls():
 
 
 @pytest.mark.skipif(not HAS_SCALED, reason="this asynctp has no fused scaled ops")
-def test_no_symmetric_workspace_is_fused_with_a_note(monkeypatch):
-    monkeypatch.setattr(asynctp.config, "_current", asynctp.config.Config(disable_symm=True))  # the scaled ops then overlap over send/recv
-
+def test_no_symmetric_workspace_is_fused_with_a_note():
     def f(x, w, sa, sb):
         return torch._scaled_mm(cc.gather(x.to(F8), 0), w.to(F8).t(), sa, sb, out_dtype=BF16)
 
-    _, (rec,) = rewrite(f, (4, 16), (16, 16), (), ())
+    with asynctp.config.override(disable_symm=True):  # the scaled ops then overlap over send/recv
+        _, (rec,) = rewrite(f, (4, 16), (16, 16), (), ())
     assert rec.fused and rec.reason.startswith("group has no symmetric workspace") and "ring" in rec.reason
 
 

@@ -92,11 +92,11 @@ def test_wraps_an_installed_pass_where_torch_takes_one_pass(monkeypatch):
     assert inductor_config.post_grad_custom_post_pass is rec
 
 
-def test_uuid_tracks_settings(monkeypatch):
+def test_uuid_tracks_settings():
     a, b = atc.AsyncTPPass(False).uuid(), atc.AsyncTPPass(True).uuid()
     assert a == atc.AsyncTPPass(False).uuid() and a != b
-    monkeypatch.setattr(asynctp.config, "_current", asynctp.config.Config(disable_symm=True))  # changes what the pass fuses
-    assert atc.AsyncTPPass(False).uuid() != a
+    with asynctp.config.override(disable_symm=True):  # changes what the pass fuses
+        assert atc.AsyncTPPass(False).uuid() != a
     assert atc.AsyncTPPass(False, (lambda g: None,)).uuid() is None  # an opaque wrapped pass: no caching
     assert atc.AsyncTPPass(False, (Recorder(),)).uuid() is not None
 

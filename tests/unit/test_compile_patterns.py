@@ -23,13 +23,7 @@ def fake_world():
         yield group
 
 
-def rewrite(fn, *shapes, dtype=torch.float32):
-    gm = cc.trace(fn, *shapes, dtype=dtype)
-    before = cc.output_shapes(gm)
-    records = rewrite_graph(gm.graph)
-    gm.recompile()
-    assert cc.output_shapes(gm) == before  # same outputs, same shapes
-    return gm, records
+rewrite = cc.rewrite
 
 
 def fused_node(gm, target):
@@ -112,11 +106,11 @@ def test_gathered_weight_is_not_a_tp_collective():
     assert not rec.fused and not rec.tp and "is B of" in rec.reason
 
 
-def test_no_symmetric_workspace_is_fused_with_a_note(monkeypatch):
-    monkeypatch.setattr(asynctp.config, "_current", asynctp.config.Config(disable_symm=True))  # the op then overlaps over send/recv
-    _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
-    assert rec.fused and rec.reason.startswith("group has no symmetric workspace") and "ring" in rec.reason
-    _, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0), (4, 8), (8, 6))
+def test_no_symmetric_workspace_is_fused_with_a_note():
+    with asynctp.config.override(disable_symm=True):  # the op then overlaps over send/recv
+        _, (rec,) = rewrite(lambda x, w: cc.gather(x, 0) @ w, (4, 8), (8, 6))
+        assert rec.fused and rec.reason.startswith("group has no symmetric workspace") and "ring" in rec.reason
+        _, (rec,) = rewrite(lambda a, b: cc.reduce_scatter(a @ b, 0), (4, 8), (8, 6))
     assert rec.fused and rec.reason.startswith("group has no symmetric workspace")
 
 
