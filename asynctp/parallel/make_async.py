@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from asynctp.parallel.colwise import AsyncColwiseParallel
 from asynctp.parallel.rowwise import AsyncRowwiseParallel
+from asynctp.parallel.waited import WaitedRowwiseParallel
 from asynctp.parallel.shared_gather import SharedGather
 
 __all__ = ["make_async", "expand_wildcards", "warn_unconverted"]
@@ -177,6 +178,12 @@ class _Converter:
         )
 
     def _rowwise(self, key: str, style: RowwiseParallel) -> None:
+        if isinstance(self._target(key), nn.Embedding) and type(style) is RowwiseParallel:
+            # waited output: a block compiled on its own then gets a plain input (see waited.py)
+            self.out[key] = WaitedRowwiseParallel(input_layouts=style.input_layouts[0],
+                                                  output_layouts=style.output_layouts[0],
+                                                  use_local_output=style.use_local_output)
+            return
         if self._skip(key, style):
             return
         out_placement, in_placement = style.output_layouts[0], style.input_layouts[0]
