@@ -102,7 +102,7 @@ def _contention(cfg: BenchConfig, rank: int, out_dir: str | None, status_path: s
     result.update(environment(dist.group.WORLD, device, cfg.hardware), command=cfg.command)
     print(json.dumps(result, indent=1), flush=True)
     if out_dir:
-        path = Path(out_dir) / (results_stem("contention", result["hardware"], result["date"]) + ".json")
+        path = Path(out_dir) / (results_stem("contention", result["hardware"]) + ".json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {path}")

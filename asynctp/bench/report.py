@@ -156,9 +156,10 @@ def _by(rows: Iterable[dict[str, Any]], *fields: str) -> dict[Any, list[dict[str
     return groups
 
 
-def results_stem(op: str, hardware: str, date: str) -> str:
-    """`<op>_<hardware>_<yyyy-mm-dd>`: the name of a run's .json / .md / .png."""
-    return f"{op}_{hardware}_{date}"
+def results_stem(op: str, hardware: str) -> str:
+    """`<op>_<hardware>`: the name of the .json / .md / .png that hold the latest rows of an op
+    on some hardware (each row records its date)."""
+    return f"{op}_{hardware}"
 
 
 def _row_key(row: dict[str, Any]) -> tuple:
@@ -174,14 +175,15 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dic
 
 
 def write_results(rows: list[dict[str, Any]], out_dir: str | Path, *, figures: bool = True) -> list[Path]:
-    """Write (merging with the same day's file) <stem>.json and .md per op, and with figures the
-    .png and the directory's README.md. Returns the paths written. Writing the rows of a run one
-    by one and then all together gives the same files (a run cut short keeps its rows)."""
+    """Write <stem>.json and .md per op (merged with the op's file on that hardware: a row
+    replaces the older row of its shape), and with figures the .png and the directory's
+    README.md. Returns the paths written. Writing the rows of a run one by one and then all
+    together gives the same files (a run cut short keeps its rows)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for (op, hardware, date), group in _by(rows, "op", "hardware", "date").items():
-        stem = out / results_stem(op, hardware, date)
+    for (op, hardware), group in _by(rows, "op", "hardware").items():
+        stem = out / results_stem(op, hardware)
         path = stem.with_suffix(".json")
         old = json.loads(path.read_text())["rows"] if path.exists() else []
         merged = merge_rows(old, group)
@@ -226,6 +228,21 @@ def _md_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _md_isolated(rows: list[dict[str, Any]]) -> list[str]:
+    """Isolated calls (each starts on an idle GPU, ranks aligned): time, and host time in
+    parentheses, per variant that was timed so."""
+    keys = [k for k in columns(rows) if k not in (COMPUTE, COMM) and any(k in r.get("isolated_us", {}) for r in rows)]
+    if not keys:
+        return []
+    lines = ["Isolated calls (GPU idle at each call's start): time (host time), us.", "",
+             "| set | M x N x K | " + " | ".join(_heading(k) for k in keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    for r in rows:
+        iso, host = r.get("isolated_us", {}), r.get("host_us", {})
+        cells = [f"{_us(iso.get(k))} ({_us(host.get(k))})" if k in iso else "-" for k in keys]
+        lines.append(f"| {r['shape_set']} | {_label(r)} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _unique(rows: list[dict[str, Any]], field: str) -> list[str]:
     seen: list[str] = []
     for r in rows:
@@ -259,6 +276,7 @@ def markdown(rows: list[dict[str, Any]], title: bool = False) -> str:
         "",
         *_md_table(rows),
         "",
+        *_md_isolated(rows),
     ]
     notes = sorted({f"{_heading(k)}: {v}" for r in rows for k, v in r["skipped"].items()})
     notes += [f"{r['shape_set']} {_label(r)}: {r['error']}" for r in rows if r.get("error")]

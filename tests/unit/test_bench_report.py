@@ -88,13 +88,13 @@ def test_write_results_and_readme(tmp_path):
     rows = [_row(m=m) for m in (2048, 4096, 8192)] + [_row(op="matmul_reduce_scatter")]
     written = report.write_results(rows, tmp_path)
     names = {p.name for p in written}
-    assert {"all_gather_matmul_2xH200_2026-11-20.json", "all_gather_matmul_2xH200_2026-11-20.md",
-            "matmul_reduce_scatter_2xH200_2026-11-20.json", "README.md"} <= names
-    data = json.loads((tmp_path / "all_gather_matmul_2xH200_2026-11-20.json").read_text())
+    assert {"all_gather_matmul_2xH200.json", "all_gather_matmul_2xH200.md",
+            "matmul_reduce_scatter_2xH200.json", "README.md"} <= names
+    data = json.loads((tmp_path / "all_gather_matmul_2xH200.json").read_text())
     assert [r["m"] for r in data["rows"]] == [2048, 4096, 8192]
     # a second run the same day, of another set, lands in the same file
     report.write_results([_row(m=256, shape_set="small")], tmp_path)
-    data = json.loads((tmp_path / "all_gather_matmul_2xH200_2026-11-20.json").read_text())
+    data = json.loads((tmp_path / "all_gather_matmul_2xH200.json").read_text())
     assert [r["m"] for r in data["rows"]] == [2048, 4096, 8192, 256]
     readme = (tmp_path / "README.md").read_text()
     assert "## all_gather_matmul on 2xH200" in readme and "## matmul_reduce_scatter on 2xH200" in readme
@@ -130,11 +130,11 @@ def test_cpu_timing_and_graph_refusal():
 
 def test_regenerate_rewrites_markdown_and_readme_from_json(tmp_path):
     report.write_results([_row(m=2048), _row(m=4096)], tmp_path)
-    md = tmp_path / "all_gather_matmul_2xH200_2026-11-20.md"
+    md = tmp_path / "all_gather_matmul_2xH200.md"
     md.write_text("stale")
     (tmp_path / "README.md").write_text("stale")
     (tmp_path / "notes.json").write_text("{not json")  # ignored
-    (tmp_path / "contention_2xH200_2026-11-20.json").write_text('{"matmul_alone_us": 1.0}')  # no rows: ignored
+    (tmp_path / "contention_2xH200.json").write_text('{"matmul_alone_us": 1.0}')  # no rows: ignored
     written = report.regenerate(tmp_path)
     assert md in written and (tmp_path / "README.md") in written
     assert md.read_text().startswith("# all_gather_matmul on 2xH200")
