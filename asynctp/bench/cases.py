@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import asynctp
 from asynctp.bench.shapes import KINDS, Shape
+from asynctp.ops.reference import all_gather_rows, reduce_scatter_rows
 
 __all__ = [
     "Problem", "OpCase", "CASES", "register", "dtype_name", "randn", "check_close", "check_sqnr", "call_torch_symm",
@@ -189,7 +190,7 @@ def _all_gather_matmul(shape: Shape, dtype: torch.dtype, group: dist.ProcessGrou
             torch.mm(a_full, b, out=out)
 
     def comm_bound() -> None:
-        dist.all_gather_into_tensor(a_gathered, a_shard, group=group)
+        all_gather_rows(a_gathered, a_shard, group)
 
     def run(strategy: str) -> Any:
         return asynctp.all_gather_matmul(a_shard, bs, 0, group, strategy=strategy)
@@ -224,7 +225,7 @@ def _matmul_reduce_scatter(shape: Shape, dtype: torch.dtype, group: dist.Process
         torch.mm(a, b, out=product)
 
     def comm_bound() -> None:
-        dist.reduce_scatter_tensor(out_shard, partial, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_rows(out_shard, partial, group)
 
     def run(strategy: str) -> Any:
         return asynctp.matmul_reduce_scatter(a, b, 0, group, strategy=strategy)
@@ -304,7 +305,7 @@ def _all_gather_scaled_matmul(recipe_name: str) -> Callable[..., Problem]:
                 torch._scaled_mm(a_full, b, a_full_scale, b_scale, out_dtype=out_dtype, use_fast_accum=fast)
 
         def comm_bound() -> None:  # the fp8 bytes (a rowwise scale adds M * 4 bytes more)
-            dist.all_gather_into_tensor(gathered, a_shard.view(torch.uint8), group=group)
+            all_gather_rows(gathered, a_shard.view(torch.uint8), group)
 
         def run(strategy: str) -> Any:
             return asynctp.all_gather_scaled_matmul(a_shard, bs, a_scale, b_scales, 0, group, out_dtype=out_dtype,
@@ -347,7 +348,7 @@ def _scaled_matmul_reduce_scatter(recipe_name: str) -> Callable[..., Problem]:
             torch._scaled_mm(a, b, a_scale, b_scale, out_dtype=out_dtype, use_fast_accum=fast)
 
         def comm_bound() -> None:
-            dist.reduce_scatter_tensor(out_shard, partial, op=dist.ReduceOp.SUM, group=group)
+            reduce_scatter_rows(out_shard, partial, group)
 
         def run(strategy: str) -> Any:
             return asynctp.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, 0, group, out_dtype=out_dtype,

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from asynctp.ops.reference import all_gather_rows
+
 __all__ = ["measure_contention"]
 
 
@@ -57,7 +59,7 @@ def measure_contention(group: dist.ProcessGroup, size: int = 8192, mb: int = 256
     shard = torch.randn(mb * 2**20 // 2, **bf)
     gathered = torch.empty(world * shard.numel(), **bf)
     ours = lambda: asynctp.all_gather(shard, 0, group)  # noqa: E731
-    nccl = lambda: dist.all_gather_into_tensor(gathered, shard, group=group)  # noqa: E731
+    nccl = lambda: all_gather_rows(gathered, shard, group)  # noqa: E731
     mm = lambda: torch.mm(a, b)  # noqa: E731
     asynctp.reserve(group, world * shard.numel() * 2, "cuda")  # a push gather: one slot per rank
     for fn in (ours, nccl, mm):  # warm-up
