@@ -54,3 +54,19 @@ def test_compiled_fp8_same_result(pool):
     assert got["unfused"] == [], got["text"]
     # the rowwise scale's gather is folded into A's: 2 gathers, 1 op
     assert got["ag"] == 2 and got["rs"] == 1, got["text"]
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
+def test_classic_plan_compiled_per_block(pool):
+    """The classic plan (one gather per parent) compiled block by block: every collective of every
+    block fuses, the summed input gradients of wq / wk / wv and w1 / w3 included, and loss and
+    gradients equal the blocks compiled without the pass."""
+    from tests import cases_compile_blocks
+
+    got = pool.run(cases_compile_blocks.per_block_classic_matches, "cpu", timeout=900)[0]
+    # one forward and one backward graph, which both blocks run: forward 2 gathers + 2
+    # reduce-scatters; backward 2 gathers (wo, w2 dgrads) and 2 reduce-scatters of summed dgrads
+    assert got["graphs"] == ["forward", "backward"], got["text"]
+    assert got["unfused"] == [] and got["collectives"] == 8, got["text"]
+    assert got["ag"] == 4 and got["rs"] == 4 and got["summed"] == [2, 3], got["text"]
+    assert got["loss_diff"] <= 1e-5 and got["max_rel"] <= 1e-5, got
