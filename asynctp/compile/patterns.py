@@ -10,6 +10,7 @@ Forms recognized (R = group size, as the functional collectives and DTensor emit
     scatter dim 0:  x -> reduce_scatter_tensor -> wait_tensor
     scatter dim d>0: x -> split(s, d) -> getitem x R (or slice x R) -> cat(dim=0) -> reduce_scatter ...
     matmul:         mm / addmm / _scaled_mm on a 2-D A, or reshape(A, [-1, K]) -> mm -> reshape(back)
+    matmul(s) -> reduce-scatter through adds of sibling products and row ops: partials.py
     matmul -> reduce-scatter, A built in 2-D (torchao's Float8Linear casts a gradient to float8
                     after flattening it): mm -> reshape to N-D; the rewrite reshapes A to match
 """

@@ -4,9 +4,11 @@ reduce-scatter becomes asynctp.matmul_reduce_scatter, and every collective gets 
 A gather is fused with every matmul that takes the gathered tensor as A (several: QKV, w1 + w3);
 other users of the gathered tensor (a transposed copy for the weight gradient, a value saved for
 backward) read the op's returned a_gathered. A reduce-scatter is fused with the matmul producing
-its input when nothing else reads that product. A group without a symmetric workspace is
-still fused (the ops then overlap over a send/recv ring) and its record says so. New nodes get fake values (meta["val"]) from the
-ops' fake implementations, and the graph is re-sorted so every node follows its inputs.
+its input when nothing else reads that product, or with the matmuls whose products are summed
+(sibling input gradients) or regrouped by row ops (transpose / clone / reshape) into its input
+(partials.py). A group without a symmetric workspace is still fused (the ops then overlap over
+a send/recv ring) and its record says so. New nodes get fake values (meta["val"]) from the ops'
+fake implementations, and the graph is re-sorted so every node follows its inputs.
 """
 
 from __future__ import annotations
