@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import asynctp
+from asynctp.symm import OutOfStepError
 from asynctp.symm import cpu as symm_cpu
 from tests.cases import ints, world
 
@@ -186,6 +187,10 @@ def _check_usable(rank: int, ws: int) -> None:
     out = _rs(rank, ws)
     want = sum(ints((4 * ws, 8), r, torch.float32, "cpu") for r in range(ws)) @ ints((8, 6), 1, torch.float32, "cpu")
     assert torch.equal(out, want.chunk(ws)[rank])
+    # the collectives too: their first call through the dispatcher takes seconds under load
+    x = ints((2 * ws, 3), rank, torch.float32, "cpu")
+    assert asynctp.all_gather(x, 0, dist.group.WORLD).shape == (2 * ws * ws, 3)
+    assert asynctp.reduce_scatter(x, 0, dist.group.WORLD).shape == (2, 3)
 
 
 def inject(name: str) -> dict:
@@ -304,3 +309,51 @@ def zero_sizes() -> list[str]:
     assert asynctp.reduce_scatter(torch.zeros(0, 3), 0, g).shape == (0, 3)
     assert asynctp.reduce_scatter(torch.zeros(2 * ws, 0), 0, g).shape == (2, 0)
     return seen
+
+
+def ring_without_workspace(fault: str) -> dict:
+    """A group without a workspace (Config.disable_symm): its calls are compared over a ring of
+    send/recv before any data moves, on every strategy, and guarded the same way (out of step,
+    reset)."""
+    import warnings
+
+    rank, ws = world()
+    with asynctp.config.override(disable_symm=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the no-workspace warning
+        g = dist.new_group(list(range(ws)))
+        b = ints((8, 6), 1, torch.float32, "cpu")
+        a = ints((4 + (fault == "rows differ" and _odd(rank, ws)), 8), rank, torch.float32, "cpu")
+        strategy = "serial" if (fault == "strategy differs" and _odd(rank, ws)) else "ring"
+        asynctp.configure(timeout=TIMEOUT)
+        asynctp.all_gather_matmul(ints((4, 8), rank, torch.float32, "cpu"), [b], 0, g, strategy="ring")
+        try:
+            if fault == "skipped call" and _odd(rank, ws):
+                raise StopIteration
+            asynctp.all_gather_matmul(a, [b], 0, g, strategy=strategy)
+            message = "no error"
+        except StopIteration:
+            message = "skipped"
+            dist.barrier()  # the others' timeout first
+        except Exception as exc:  # noqa: BLE001
+            message = f"{type(exc).__name__}: {exc}"
+        if message != "skipped" and fault == "skipped call":
+            dist.barrier()
+        ok = ints((4, 8), rank, torch.float32, "cpu")
+        try:
+            if message == "skipped":
+                raise OutOfStepError("(the skipping rank)")
+            asynctp.all_gather_matmul(ok, [b], 0, g, strategy="ring")
+            refused = ""
+        except Exception as exc:  # noqa: BLE001
+            refused = f"{type(exc).__name__}: {exc}"
+        if fault == "skipped call":  # a send/recv that timed out leaves the group's own state behind
+            dist.destroy_process_group(g)
+            g = dist.new_group(list(range(ws)))
+        else:
+            asynctp.reset(g)
+        a_g, (o,) = asynctp.all_gather_matmul(ok, [b], 0, g, strategy="ring")
+        full = torch.cat([ints((4, 8), r, torch.float32, "cpu") for r in range(ws)])
+        assert torch.equal(a_g, full) and torch.equal(o, full @ b)
+        dist.destroy_process_group(g)
+    asynctp.configure(timeout=300)
+    return dict(message=message, refused=refused)

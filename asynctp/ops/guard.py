@@ -6,7 +6,9 @@ inputs checked for NaN/Inf.
 compares its signature, signature.py, in the values the ranks exchange anyway) and closes it
 (an exception marks the group out of step until asynctp.reset). On CPU the workspace is made on
 first use, so every strategy is checked; on CUDA a call is checked once the group has a
-workspace (its pipelined calls). Zero-size inputs run the serial strategy (nothing to overlap).
+workspace (its pipelined calls). A group without a workspace has its calls numbered and guarded
+(symm/calls.py: UnsharedCalls); on CPU its ring compares them. Zero-size inputs run the serial
+strategy (nothing to overlap).
 
 Config.check_finite (ASYNCTP_CHECK_FINITE=1): inputs are checked for NaN/Inf before they are
 communicated; every rank raises, naming the op and the ranks that had them. It costs one store
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from asynctp.config import get_config
 from asynctp.ops.signature import FIELDS, NAMES
-from asynctp.symm import lookup, resolve_group
+from asynctp.symm import calls_of, resolve_group
 from asynctp.symm.rendezvous import exchange
 
 __all__ = ["agreed", "enabled", "preflight"]
@@ -45,9 +47,9 @@ def agreed(op: str) -> Callable[[Callable], Callable]:
             if strategy_at is not None and _has_empty(args) and strategy_at < len(args):
                 args = (*args[:strategy_at], "serial", *args[strategy_at + 1 :])
             pg = resolve_group(group)
-            ws = lookup(pg, device.type, create=device.type == "cpu") if pg.size() > 1 else None
-            if ws is None:
+            if pg.size() == 1:
                 return fn(*args, **kwargs)
+            ws = calls_of(pg, device.type)
             ws.begin_call(op, names, values)
             try:
                 result = fn(*args, **kwargs)

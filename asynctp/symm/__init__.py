@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from asynctp.config import get_config, warn_once
+from asynctp.symm.calls import Calls, UnsharedCalls
 from asynctp.symm.errors import CallMismatchError, OutOfStepError, PeerTimeoutError, WorkspaceUnavailable
 from asynctp.symm.rendezvous import exchange, new_generation
 from asynctp.symm.workspace import Lanes, Workspace, group_name_of, resolve_group
@@ -32,6 +33,7 @@ __all__ = [
     "WorkspaceUnavailable",
     "get_workspace",
     "lookup",
+    "calls_of",
     "reset",
     "unavailable_reason",
     "reserve",
@@ -41,6 +43,7 @@ __all__ = [
 
 _workspaces: dict[tuple[str, str], Workspace | None] = {}
 _reasons: dict[tuple[str, str], str] = {}
+_unshared: dict[tuple[str, str], UnsharedCalls] = {}  # the calls of groups without a workspace
 
 
 def _local_reason(group: dist.ProcessGroup, device_type: str) -> str | None:
@@ -128,6 +131,18 @@ def lookup(pg: dist.ProcessGroup, device_type: str, create: bool = True) -> Work
     return ws
 
 
+def calls_of(pg: dist.ProcessGroup, device_type: str) -> Calls:
+    """Where the group's calls are numbered and agreed on: its workspace (made on first use on
+    CPU; on CUDA only once a pipelined call made it), else its UnsharedCalls."""
+    ws = lookup(pg, device_type, create=device_type == "cpu")
+    if ws is not None:
+        return ws
+    calls = _unshared.get((pg.group_name, device_type))
+    if calls is None or calls.group is not pg:
+        calls = _unshared[(pg.group_name, device_type)] = UnsharedCalls(pg, device_type)
+    return calls
+
+
 def reset(group: Any) -> None:
     """Bring a group that is out of step (a call failed part-way: timeout, interrupt, ranks that
     disagreed) back: its workspaces are released and its next call creates them afresh, with
@@ -135,6 +150,8 @@ def reset(group: Any) -> None:
     pg = resolve_group(group)
     for key in [k for k in _workspaces if k[0] == pg.group_name]:
         _release(key)
+    for key in [k for k in _unshared if k[0] == pg.group_name]:
+        del _unshared[key]
     new_generation(pg.group_name)
 
 

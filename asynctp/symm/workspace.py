@@ -35,28 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from asynctp.config import get_config, get_timeout
-from asynctp.symm.errors import OutOfStepError
+from asynctp.config import get_timeout
+from asynctp.symm.calls import Calls
 
 __all__ = ["Workspace", "Lanes", "resolve_group", "group_name_of"]
 
 NUM_CHANNELS = 64  # 2 barrier channels + one signal channel per row block
-_UNCHECKED = 1  # the signature of a call whose agreement is not checked
-_signatures: dict[tuple, int] = {}  # (op, field values) -> signature: a dict hit costs less than a hash
-
-
-def signature_of(op: str, values: tuple) -> int:
-    """A nonzero 32-bit hash of the call's op and fields, equal on every rank for equal calls
-    (crc32 of their repr: Python's own hash of a str differs between processes)."""
-    key = (op, values)
-    sig = _signatures.get(key)
-    if sig is None:
-        if len(_signatures) > 4096:
-            _signatures.clear()
-        sig = _signatures[key] = zlib.crc32(repr(key).encode()) or 2
-    return sig
-
-
 def resolve_group(group: Any) -> dist.ProcessGroup:
     """A ProcessGroup from a ProcessGroup, its name, a 1-D DeviceMesh, a (DeviceMesh, dim name)
     pair, or None (the default group, as torch.distributed's group=None); TypeError otherwise."""
@@ -209,8 +193,9 @@ class Lanes:
             self.active.wait_event(event)
 
 
-class Workspace(abc.ABC):
-    """Symmetric buffers and signal pads shared by the ranks of one process group."""
+class Workspace(Calls, abc.ABC):
+    """Symmetric buffers and signal pads shared by the ranks of one process group (and the
+    state of its calls, calls.py)."""
 
     backend: str = "abstract"
 
@@ -226,62 +211,7 @@ class Workspace(abc.ABC):
         self._views: dict[tuple, torch.Tensor] = {}  # get_buffer results, dropped on growth
         self.generation = 0  # bumped when the buffers are replaced (captured graphs go stale)
         self.graphs: Any = None  # asynctp.runtime.graphs.GraphCache, made on first use
-        self.seq = 0  # calls begun on this workspace (the same on every rank while in step)
-        self.signature = _UNCHECKED  # 32-bit signature of the call in progress (never 0)
-        self.call: tuple = ("workspace", (), ())  # (op, field names, field values) of that call
-        self.broken: str | None = None  # why the group is out of step (None: in step)
-        self._calling = threading.Lock()  # held by the thread whose call is in progress
-        self._caller: int | None = None
-        self._depth = 0
-
-    # -- calls --------------------------------------------------------------------------
-    def begin_call(self, op: str, names: tuple[str, ...], values: tuple) -> None:
-        """Open a call: refuse it if the group is out of step or another thread is in a call,
-        number it, and (Config.check_calls) agree on its signature with the other ranks. A call
-        made from inside another on the same thread (an op built on an op) is part of it."""
-        me = threading.get_ident()
-        if self._caller == me:
-            self._depth += 1
-            return
-        if self.broken is not None:
-            raise OutOfStepError(self.broken)
-        if not self._calling.acquire(blocking=False):
-            raise ValueError(
-                f"asynctp {op} requires no other call in progress on group {self.group_name!r}, got one from "
-                f"another thread ({self.op}); ops on one group must be called from one thread at a time"
-            )
-        self._caller, self._depth = me, 1
-        self.op = op
-        self.seq += 1
-        self.call = (op, names, values)
-        if get_config().check_calls:
-            self.signature = signature_of(op, values)
-            try:
-                self._agree()
-            except BaseException as exc:
-                self.end_call(exc)
-                raise
-        else:
-            self.signature = _UNCHECKED
-
-    def end_call(self, exc: BaseException | None = None) -> None:
-        """Close the call begun last on this thread; an exception marks the group out of step."""
-        if self._caller != threading.get_ident():
-            return
-        self._depth -= 1
-        if self._depth > 0:
-            return
-        if exc is not None and self.broken is None:
-            self.broken = (
-                f"group {self.group_name!r} is out of step since {self.op} (call {self.seq}) failed with "
-                f"{type(exc).__name__}: {exc}; call asynctp.reset(group) on every rank or re-create the group"
-            )
-        self._caller = None
-        self._calling.release()
-
-    def _agree(self) -> None:
-        """Compare the call's signature with the other ranks' (backends where it is done on the
-        host); the cuda backend compares in its opening barrier instead."""
+        self._init_calls()
 
     def close(self) -> None:
         """Release the buffers (the workspace is unusable afterwards)."""

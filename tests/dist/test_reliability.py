@@ -115,3 +115,22 @@ def test_two_groups_and_growth(pool):
 
 def test_zero_size_inputs_give_empty_results_on_every_strategy(pool):
     pool.run(faults.zero_sizes)
+
+
+@pytest.mark.parametrize("fault", ["rows differ", "strategy differs"])
+def test_group_without_workspace_compares_the_call(pool, fault):
+    reports = pool.run(faults.ring_without_workspace, fault)
+    messages = [r["message"] for r in reports]
+    assert all(m == messages[0] for m in messages), messages
+    assert messages[0].startswith("CallMismatchError"), messages[0]
+    assert ("a_shard.shape" if fault == "rows differ" else "strategy") in messages[0]
+    assert all(r["refused"].startswith("OutOfStepError") for r in reports), reports
+
+
+def test_group_without_workspace_times_out_naming_the_rank(pool):
+    reports = pool.run(faults.ring_without_workspace, "skipped call")
+    last = pool.world_size - 1
+    assert reports[last]["message"] == "skipped"
+    for r in reports[:last]:
+        assert r["message"].startswith("PeerTimeoutError") and "the start of call" in r["message"], r
+        assert r["refused"].startswith("OutOfStepError"), r

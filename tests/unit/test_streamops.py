@@ -75,7 +75,7 @@ def test_the_opening_barrier_carries_the_call_signature(monkeypatch):
     """Barrier 0's flags hold the call's signature and each rank waits for exactly its own: a
     peer that made another call never releases the wait, and the watchdog names the call."""
     ws, cuda = fake_workspace(monkeypatch, rank=0, world=2)
-    from asynctp.symm.workspace import signature_of
+    from asynctp.symm.calls import signature_of
 
     ws.op, ws.call, ws.seq = "all_gather_matmul", ("all_gather_matmul", ("a_shard.shape",), ((4, 8),)), 5
     ws.signature = signature_of("all_gather_matmul", ((4, 8),))
