@@ -49,14 +49,14 @@ def agreed(op: str) -> Callable[[Callable], Callable]:
             pg = resolve_group(group)
             if pg.size() == 1:
                 return fn(*args, **kwargs)
-            ws = calls_of(pg, device.type)
-            ws.begin_call(op, names, values)
+            calls = calls_of(pg, device.type)
+            calls.begin_call(op, names, values)
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
-                ws.end_call(exc)
+                calls.end_call(exc)
                 raise
-            ws.end_call()
+            calls.end_call()
             return result
 
         return call

@@ -5,6 +5,10 @@ reduce_op, the strategy asked for, fp8 scale modes (and, on CPU where reading it
 device sync, the value of a tensorwise a_scale of an all-gather: the gathered rows share it).
 Rank-local choices (N of b for a gather, return_a, biases, how many bs) may differ.
 Each function returns (group, device, values); NAMES[op] names the values.
+
+The strategy enters as "serial", "ring" or "auto|pipeline": auto resolves to the pipeline where
+the pipeline pays, and a CUDA graph captured under one is replayed for the other (its key holds
+the resolved strategy), so the two must have one signature.
 """
 
 from __future__ import annotations
@@ -27,17 +31,21 @@ NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+def _kind(strategy: str) -> str:
+    return strategy if strategy in ("serial", "ring") else "auto|pipeline"
+
+
 def _all_gather_matmul(a_shard, bs, dim, group, return_a, biases, strategy) -> tuple:
-    return group, a_shard.device, (tuple(a_shard.shape), a_shard.dtype, dim, strategy)
+    return group, a_shard.device, (tuple(a_shard.shape), a_shard.dtype, dim, _kind(strategy))
 
 
 def _all_gather_contract(x_shard, gs, gather_dim, group, strategy="auto") -> tuple:
-    return group, x_shard.device, (tuple(x_shard.shape), x_shard.dtype, gather_dim % x_shard.ndim, strategy)
+    return group, x_shard.device, (tuple(x_shard.shape), x_shard.dtype, gather_dim % x_shard.ndim, _kind(strategy))
 
 
 def _matmul_reduce_scatter(a_list, b_list, dim, group, reduce_op, bias, strategy) -> tuple:
     a = a_list[0]
-    return group, a.device, (tuple(a.shape[:-1]), b_list[0].shape[1], a.dtype, dim, reduce_op, strategy)
+    return group, a.device, (tuple(a.shape[:-1]), b_list[0].shape[1], a.dtype, dim, reduce_op, _kind(strategy))
 
 
 def _scale_value(a_scale: torch.Tensor, rowwise: bool) -> Any:
@@ -50,13 +58,13 @@ def _all_gather_scaled_matmul(a_shard, a_scale, checked, group, out_dtype, use_f
     dim, rowwise = checked[0], checked[4]
     mode = "rowwise" if rowwise else "tensorwise"
     return group, a_shard.device, (tuple(a_shard.shape), a_shard.dtype, dim, mode, _scale_value(a_scale, rowwise),
-                                   strategy)
+                                   _kind(strategy))
 
 
 def _scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op,
                                   use_fast_accum, strategy) -> tuple:
     mode = "rowwise" if rowwise else "tensorwise"
-    return group, a.device, (tuple(a.shape[:-1]), b.shape[1], out_dtype, dim, mode, reduce_op, strategy)
+    return group, a.device, (tuple(a.shape[:-1]), b.shape[1], out_dtype, dim, mode, reduce_op, _kind(strategy))
 
 
 def _all_gather(x, gather_dim, group_name) -> tuple:

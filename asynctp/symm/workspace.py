@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
