@@ -189,8 +189,8 @@ class _Row:
         self.time(key, replay)
 
 
-# a strategy replaces serial only if it is at least this much faster. 3% until the thirteenth
-# session: at llama70b w13 (fp8 all-gather, 3 ms a call) the pipeline beat serial by 1.5-3% in
+# a strategy replaces serial only if it is at least this much faster. With 3%, at llama70b w13
+# (fp8 all-gather, 3 ms a call) the pipeline beat serial by 1.5-3% in
 # each of five runs on 2xH200 and was never picked, while auto (serial's code) then timed 0.95-0.99
 # of serial in paired rounds: the run-to-run spread of the pair itself. A pick within 1% of
 # serial costs at most that much where it is noise

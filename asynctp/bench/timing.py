@@ -115,7 +115,7 @@ def paired_us(
     row (host-bound calls): both see the same conditions. The order flips every round, so
     neither always runs straight after the other's block (2xH200, fp8 all-gather at llama70b
     w13, 3 ms a call: "auto" ran the very code of "serial" and timed 4-7% slower as the second
-    of each pair, twelfth and thirteenth sessions). The number of rounds is even (from 2 rounds
+    of each pair, in two runs). The number of rounds is even (from 2 rounds
     on): with an odd one, one variant would go first once more than the other, and the median
     of the rounds could be decided by that one round."""
     rounds = max(1, min(rounds, iters))

@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["table", "comparison", "loss_notes", "write_json", "write_png", "versions", "LOSS_AGREEMENT"]
 
-# issue 5's bf16 agreement: a loss curve within this relative difference of vanilla TP's per step
+# bf16 agreement: a loss curve within this relative difference of vanilla TP's per step
 LOSS_AGREEMENT = 1e-2
 
 

@@ -36,7 +36,7 @@ class Variant:
     # every collective skipped (the plan runs over a fake process group of the same ranks): wrong
     # numbers, the right compute and host work. Its step time is what the plan would take if
     # communication were free, so vanilla TP's step time minus it is the communication vanilla
-    # TP leaves exposed, the ceiling of what any overlap can win (issue 5's yardstick)
+    # TP leaves exposed, the ceiling of what any overlap can win
     no_comm: bool = False
 
 
