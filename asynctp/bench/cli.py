@@ -85,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the options describe (or only rewrite the reports); the exit code."""
     if args.readme:
-        from asynctp.bench.report import regenerate
+        from asynctp.bench.index import regenerate
 
         if not args.out:
             print("asynctp bench --readme requires --out DIR, got ''", file=sys.stderr)

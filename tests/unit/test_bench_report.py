@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from asynctp.bench import report
+from asynctp.bench import index, report
 from asynctp.bench.timing import capture_graph, median_us
 
 
@@ -49,7 +49,7 @@ def test_skipped_variants_have_no_efficiency():
     row = _row(torch_fused=None, torch_fused_graph=None)
     assert "torch_fused" not in row["efficiency"] and row["efficiency"]["serial"] > 0
     assert "| - | - |" in report.markdown([row])
-    assert not [n for n in report.target_notes([row]) if "torch" in n]
+    assert not [n for n in index.target_notes([row]) if "torch" in n]
 
 
 def test_columns_put_new_strategies_between_torch_and_auto():
@@ -68,7 +68,7 @@ def test_tables_show_times_efficiency_and_failures():
     text = report.format_table([ok, bad])
     assert "all_gather_matmul (bfloat16, 2xH200, times in us)" in text
     assert "527" in text and "0.93" in text and "1.32" in text and "FAILED" in text
-    assert report.target_notes([ok, bad])[0] == "NOT met: 1 row(s) failed their check or did not run: seed 8192x3584x8192"
+    assert index.target_notes([ok, bad])[0] == "NOT met: 1 row(s) failed their check or did not run: seed 8192x3584x8192"
     md = report.markdown([ok, bad], title=True)
     assert md.startswith("# all_gather_matmul on 2xH200")
     assert "| seed | 4096x3584x8192 | 373 | 188 | 527 | 730 | 434 | 400 | 400 | 390 | 0.93 | 0.96 | 1.32 | pipeline |" in md
@@ -107,7 +107,7 @@ def test_readme_takes_the_newest_run_gpus_first(tmp_path):
     report.write_results([_row(date="2026-11-01", serial=999.0)], tmp_path)
     report.write_results([_row(date="2026-11-20", asynctp_auto=600.0)], tmp_path)
     report.write_results([_row(hardware="2xcpu", date="2026-11-21")], tmp_path)
-    readme = report.write_readme(tmp_path).read_text()
+    readme = index.write_readme(tmp_path).read_text()
     assert readme.index("on 2xH200") < readme.index("on 2xcpu")
     assert "999" not in readme  # the older H200 run is not shown
     assert "NOT met: serial / auto >= 0.98 at every shape (lowest 0.88, seed 4096x3584x8192)" in readme
@@ -115,7 +115,7 @@ def test_readme_takes_the_newest_run_gpus_first(tmp_path):
 
 
 def test_readme_without_results(tmp_path):
-    assert "No results yet" in report.write_readme(tmp_path).read_text()
+    assert "No results yet" in index.write_readme(tmp_path).read_text()
 
 
 def test_cpu_timing_and_graph_refusal():
@@ -135,7 +135,7 @@ def test_regenerate_rewrites_markdown_and_readme_from_json(tmp_path):
     (tmp_path / "README.md").write_text("stale")
     (tmp_path / "notes.json").write_text("{not json")  # ignored
     (tmp_path / "contention_2xH200.json").write_text('{"matmul_alone_us": 1.0}')  # no rows: ignored
-    written = report.regenerate(tmp_path)
+    written = index.regenerate(tmp_path)
     assert md in written and (tmp_path / "README.md") in written
     assert md.read_text().startswith("# all_gather_matmul on 2xH200")
     assert "## all_gather_matmul on 2xH200" in (tmp_path / "README.md").read_text()
@@ -145,9 +145,9 @@ def test_fp8_and_bf16_rows_are_checked_against_one_target():
     # efficiency 373 / 410 = 0.91 misses 0.92; 373 / 400 = 0.93 meets it, for fp8 as for bf16
     fp8 = [_row(m=m, op="scaled_matmul_reduce_scatter_rowwise", asynctp_auto=410.0) for m in (4096, 8192)]
     bf16 = [_row(m=m, asynctp_auto=400.0) for m in (4096, 8192)]
-    assert "NOT met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.91, 8192: 0.91)" in report.target_notes(fp8)
-    assert "met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.93, 8192: 0.93)" in report.target_notes(bf16)
-    assert report.target_efficiency("all_gather_scaled_matmul_tensorwise") == 0.92
+    assert "NOT met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.91, 8192: 0.91)" in index.target_notes(fp8)
+    assert "met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.93, 8192: 0.93)" in index.target_notes(bf16)
+    assert index.target_efficiency("all_gather_scaled_matmul_tensorwise") == 0.92
 
 
 def test_fp8_tables_say_what_the_inputs_and_output_are():
