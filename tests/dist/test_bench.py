@@ -79,7 +79,8 @@ def bench_float8(cache: str) -> list[dict]:
 _ROW_KEYS = {
     "op", "shape_set", "layer", "shape", "m", "n", "k", "num_bs", "dtype", "world_size", "device", "hardware",
     "torch", "triton", "date", "command", "iters", "warmup", "tuned", "times_us", "skipped", "bound_us",
-    "efficiency", "auto_strategy", "tuned_strategy", "auto_vs_serial", "error", "graph_calls",
+    "efficiency", "auto_strategy", "tuned_strategy", "auto_vs_serial", "error", "graph_calls", "isolated_us",
+    "host_us",
 }
 
 
@@ -115,6 +116,11 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
     for other in per_rank[1:]:
         assert [r["times_us"] for r in other] == [r["times_us"] for r in rows]
     assert set(rows[0]["efficiency"]) == timed - {"compute_bound", "comm_bound"}
+    # every variant timed back to back was also timed in isolated calls, with its host time
+    for row in rows:
+        iso = timed - {"serial_paired", "asynctp_auto_paired"}
+        assert set(row["isolated_us"]) == set(row["host_us"]) == iso
+        assert all(row["isolated_us"][k] > 0 and row["host_us"][k] > 0 for k in iso)
 
 
 def test_tune_records_the_same_choice_on_every_rank(pool, tmp_path):
@@ -148,7 +154,7 @@ def test_cli_spawns_ranks_and_writes_results(tmp_path, monkeypatch):
     code = main(["bench", "--op", "all_gather_matmul", "--shapes", "tiny", "--iters", "1", "--warmup", "0",
                  "--out", str(tmp_path)])
     assert code == 0
-    (path,) = tmp_path.glob("all_gather_matmul_2xcpu_*.json")
+    path = tmp_path / "all_gather_matmul_2xcpu.json"  # named by op and hardware; rows carry the date
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == 2 and rows[0]["command"].startswith("asynctp bench --op all_gather_matmul --shapes tiny")
     assert path.with_suffix(".md").exists()
