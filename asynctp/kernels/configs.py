@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Config", "candidates", "pick_config", "remember", "load_tuned", "tuned"]
+__all__ = ["Config", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,37 @@ def load_tuned(path: str) -> None:
 
 
 def save_tuned(path: str) -> None:
+    """Write the remembered choices to `path` (atomically: ranks of one host may write at once)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(tuned(), f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def tune(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int, time_us, path: str | None = None) -> Config:
+    """The fastest candidate for this problem, timed once: `time_us(cfg)` runs the GEMM with cfg
+    and returns its median time (raising where cfg cannot run). Remembered for the process and,
+    with `path`, saved there and read back by later processes (the first use of a shape on a
+    machine pays the compiles and timings). Candidates whose tile does not divide the chunks are
+    skipped."""
+    key = _key(dtype, m, n, k)
+    if path is not None and key not in _tuned:
+        load_tuned(path)
+    if key in _tuned and chunk_rows % _tuned[key].block_m == 0:
+        return _tuned[key]
+    best, best_us = None, float("inf")
+    for cfg in candidates(dtype):
+        if chunk_rows % cfg.block_m:
+            continue
+        try:
+            us = time_us(cfg)
+        except Exception:  # a candidate that does not compile or fit this GPU is not a choice
+            continue
+        if us < best_us:
+            best, best_us = cfg, us
+    best = best or pick_config(dtype, m, n, k, chunk_rows)
+    remember(dtype, m, n, k, best)
+    if path is not None:
+        save_tuned(path)
+    return best

@@ -22,10 +22,13 @@ contract): slots by source rank from offset 0, the opening barrier, every push m
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from asynctp.config import get_config
 from asynctp.kernels.async_input_mm import ChunkMap, launch
-from asynctp.kernels.configs import pick_config
+from asynctp.kernels.configs import Config, tune
 from asynctp.kernels.producer_mm import launch_producer
 from asynctp.kernels.triton_util import RawPointer, triton_available
 
@@ -39,6 +42,43 @@ _counters: dict[tuple, torch.Tensor] = {}
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _kernels_cache() -> str:
+    """Where the tuned tile configurations live: beside the strategy tuning table."""
+    table = get_config().tuning_cache
+    if table:
+        return os.path.join(os.path.dirname(os.path.abspath(table)), "kernels.json")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "asynctp", "kernels.json")
+
+
+def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.device) -> Config:
+    """The tile configuration of a problem: timed once per shape on this machine (the table's
+    candidates on random operands, kept in _kernels_cache()), then looked up."""
+    def time_us(cfg: Config) -> float:
+        fp8 = dtype.itemsize == 1
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(n, k, device=device).to(dtype).t()
+        out = torch.empty(m, n, device=device, dtype=torch.bfloat16 if fp8 else dtype)
+        one = torch.ones((), device=device) if fp8 else None
+        run = lambda: launch(a, b, out, None, (1, 1, 0), m, 0, ChunkMap(), a_scale=one, b_scale=one, config=cfg)  # noqa: E731
+        run()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
+        for start, end in events:
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize(device)
+        return sorted(s.elapsed_time(e) for s, e in events)[2] * 1e3
+
+    if torch.cuda.is_current_stream_capturing():  # a graph of a call seen before: its shape is tuned
+        return tune(dtype, m, n, k, rows, _not_now)
+    return tune(dtype, m, n, k, rows, time_us, path=_kernels_cache())
+
+
+def _not_now(cfg: Config) -> float:
+    raise RuntimeError("no timing during CUDA-graph capture")
 
 
 def _ready(ws, dtype: torch.dtype) -> str | None:
@@ -55,21 +95,11 @@ def _ready(ws, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _watch(ws, what: str, flags: torch.Tensor, value: int = 1) -> None:
-    """Tell the workspace's watchdog that the GPU now waits on `flags` (a timeout names the op,
-    the rank and what was awaited, then sets every awaited flag and aborts the context)."""
-    ws._watch(what, None, ws._timeout(None))
-    for i in range(flags.numel()):
-        ws._awaited[flags.data_ptr() + 4 * i] = value
-
-
 def _wait_counter(ws, counter: torch.Tensor, value: int, what: str) -> None:
     """The current stream waits until `counter` (int32 on this device) equals `value`, then
     zeroes it: stream memory operations, no SM."""
-    _watch(ws, what, counter, value)
-    stream = torch._C._cuda_getCurrentRawStream(ws.device.index)
-    ws._ops.wait(stream, counter.data_ptr(), value)
-    ws._ops.write(stream, counter.data_ptr(), 0)
+    ws.watch_device_wait(what, counter, value)
+    ws.wait_value(counter, value, reset=True)
 
 
 def _counter(ws, n: int) -> torch.Tensor:
@@ -106,7 +136,7 @@ def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_m
     blocks, rows = _gather_blocks(m, segment)
     if blocks > _MAX_BLOCKS:
         return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
-    cfg = pick_config(shard_2d.dtype, m * ws.world_size, n_min, k, rows)
+    cfg = _config(shard_2d.dtype, m * ws.world_size, n_min, k, rows, ws.device)
     if rows % cfg.block_m:
         return f"runs of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
     if (k * shard_2d.element_size()) % 16 or n_min * 2 % 16:
@@ -128,8 +158,8 @@ def _gather_blocks(m: int, segment: int) -> tuple[int, int]:
 def _wait_flag(ws, flag: torch.Tensor, what: str) -> None:
     """The current stream waits until `flag` (one uint32 of the signal pad) is set; it is not
     reset here (gather_matmul zeroes every flag once the GEMM and the copies are done)."""
-    _watch(ws, what, flag)
-    ws._ops.wait(torch._C._cuda_getCurrentRawStream(ws.device.index), flag.data_ptr(), 1)
+    ws.watch_device_wait(what, flag)
+    ws.wait_value(flag, 1, reset=False)
 
 
 def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,
@@ -194,7 +224,7 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                     _wait_flag(ws, flags[j * world + src], f"rank {src}'s rows, block {j}")
                     lo, hi = src * m + j * rows, src * m + (j + 1) * rows
                     gathered[lo:hi].copy_(all_rows[lo:hi])
-    _watch(ws, f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
     sig = (world * blocks, 1, world)
     a_scale_ws = all_scales if scale_rows is not None else a_scale
@@ -219,7 +249,7 @@ def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool
         blocks, rows = (2, m // 2) if m % 256 == 0 else (1, m)
     if blocks > _MAX_BLOCKS:
         return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
-    cfg = pick_config(a_2d.dtype, a_2d.shape[0], n, a_2d.shape[1], rows)
+    cfg = _config(a_2d.dtype, a_2d.shape[0], n, a_2d.shape[1], rows, ws.device)
     if rows % cfg.block_m:
         return f"blocks of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
     if (a_2d.shape[1] * a_2d.element_size()) % 16 or (n * 2) % 16 or a_2d.stride(1) != 1:
@@ -250,7 +280,7 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     lanes.fork()
     with lanes.copy():
         ws.barrier(channel=0)
-    _watch(ws, f"the partials of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    ws.watch_device_wait(f"the partials of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
     tiles, _ = launch_producer(a_2d, b, partials, received, out, rank, world, blocks, a_strides,
                                RawPointer(flags.data_ptr()), (1, world), counters, reduce_op=reduce_op,
                                a_scale=a_scale, b_scale=b_scale, bias=bias)

@@ -107,3 +107,30 @@ def test_unmeasured_shapes_start_the_reduce_scatters_on_the_single_launch_path()
     assert tuning._rule("scaled_matmul_reduce_scatter", ("float8_e4m3fn-rowwise", 8192, 3584, 8192)) == "fused"
     assert tuning._rule("all_gather_matmul", big) == "pipeline"
     assert tuning._rule("matmul_reduce_scatter", ("bfloat16", 256, 256, 256)) == "serial"
+
+
+def test_tuner_times_once_keeps_the_fastest_and_persists(tmp_path):
+    from asynctp.kernels import configs
+
+    path = str(tmp_path / "kernels.json")
+    timed = []
+
+    def time_us(cfg):
+        timed.append(cfg)
+        if cfg.block_m == 64:
+            raise RuntimeError("does not fit")  # skipped, not chosen
+        return 100.0 if cfg.flatten else 90.0
+
+    shape = (torch.bfloat16, 4096, 3584, 8192)
+    best = configs.tune(*shape, 2048, time_us, path=path)
+    assert not best.flatten and best.block_m == 128
+    assert len(timed) == len(configs.candidates(torch.bfloat16))
+    assert configs.tune(*shape, 2048, time_us, path=path) == best and len(timed) == len(configs.candidates(torch.bfloat16))
+    assert configs.pick_config(*shape, 2048) == best
+    configs._tuned.clear()  # another process: reads the file instead of timing
+    assert configs.tune(*shape, 2048, lambda cfg: 1 / 0, path=path) == best
+    # a tile that does not divide the chunks is never timed
+    configs._tuned.clear()
+    timed.clear()
+    configs.tune(torch.bfloat16, 192, 64, 64, 64, time_us)
+    assert all(64 % c.block_m == 0 for c in timed)
