@@ -154,6 +154,23 @@ class CudaWorkspace(Workspace):
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
 
+    def watch_device_wait(self, what: str, flags: torch.Tensor, value: int = SIGNAL_VALUE) -> None:
+        """Tell the watchdog that the GPU now waits until every 32-bit word of `flags` (a device
+        tensor: own signal flags, or a kernel's counters) equals `value`: a timeout names the op,
+        the rank and `what`, then writes `value` into each word and aborts the context. For waits
+        this workspace does not enqueue itself (a kernel's spins, wait_value)."""
+        self._watch(what, None, self._timeout(None))
+        for i in range(flags.numel()):
+            self._awaited[flags.data_ptr() + 4 * i] = value
+
+    def wait_value(self, word: torch.Tensor, value: int, reset: bool) -> None:
+        """The current stream waits until `word` (one 32-bit device word) equals `value`, a stream
+        memory operation (no SM); reset: then writes 0 into it. Watch it first (watch_device_wait)."""
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        self._ops.wait(stream, word.data_ptr(), value)
+        if reset:
+            self._ops.write(stream, word.data_ptr(), 0)
+
     def _wait_reset(self, stream: int, address: int, value: int = SIGNAL_VALUE) -> None:
         self._awaited[address] = value
         self._ops.wait(stream, address, value)

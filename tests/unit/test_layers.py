@@ -160,3 +160,32 @@ def test_importlib_only_where_listed():
     assert users <= set(IMPORTLIB_ALLOWED), f"importlib with module names outside the list: {sorted(users - set(IMPORTLIB_ALLOWED))}"
     stale = set(IMPORTLIB_ALLOWED) - users
     assert not stale, f"listed but no longer using importlib (remove from IMPORTLIB_ALLOWED): {sorted(stale)}"
+
+
+def _private_attributes(path: Path) -> set[str]:
+    """Private attributes a module defines: methods `def _x` of its classes, `self._x = ...`."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            names |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_private_attributes_across_layers():
+    """`ws._ops` from runtime/ is another layer's private state: ask that layer for a method."""
+    defined: dict[str, set[str]] = {}
+    for path in _module_files():
+        defined.setdefault(_layer(_module_of(path)), set()).update(_private_attributes(path))
+    wrong = []
+    for path in _module_files():
+        src = _layer(_module_of(path))
+        others = set().union(*(names for layer, names in defined.items() if layer != src)) - defined.get(src, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in others and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                wrong.append(f"{_rel(path)}:{node.lineno}: .{node.attr}")
+    assert not wrong, "private attributes of another layer used:\n" + "\n".join(wrong)
