@@ -8,15 +8,15 @@ from typing import Any
 import torch
 
 from asynctp.ops import graphs, guard
+from asynctp.ops.dispatch import execute
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
-from asynctp.ops.pipeline import gather_and_consume
-from asynctp.ops.ring import ring_gather_and_consume
+from asynctp.ops.plan import make_plan
 from asynctp.ops.reference import all_gather_matmul_serial, all_gather_rows, matmul_bias
-from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import plan_for
+from asynctp.ops.strategy import eager_call_ok
 from asynctp.ops.validate import check_all_gather_matmul
 from asynctp.runtime import kernel_path
+from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["all_gather_matmul", "all_gather_contract"]
@@ -82,22 +82,30 @@ def _run(a_shard, bs, dim, group, return_a, biases, strategy):
     m_total = matmul_rows(a_shard, dim, world, gather=True)
     n_total = sum(b.shape[1] for b in bs)
     shape_key = (str(a_shard.dtype).removeprefix("torch."), m_total, n_total, bs[0].shape[0])
-    chosen, ws = choose("all_gather_matmul", strategy, group, a_shard.device, shape_key)
-    if chosen == "serial":
+    plan = make_plan("all_gather_matmul", "all_gather_matmul", strategy, group, a_shard.device, shape_key)
+
+    def serial() -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         return all_gather_matmul_serial(gather_layout(a_shard, dim, world), bs, biases, group, return_a)
-    if chosen == "ring":
-        return _pipelined(group, gather_layout(a_shard, dim, world, batch_major=True), bs, biases, return_a, 1, False,
-                          ring=True)
-    ws.op = "all_gather_matmul"
-    splits, lockstep = plan_for("all_gather_matmul", shape_key, ws.world_size)
 
-    def body():
-        return _pipelined(ws, gather_layout(a_shard, dim, world, batch_major=True), bs, biases, return_a, splits,
-                          lockstep, fused=chosen == "fused")
+    lays: list[GatherLayout] = []
 
-    key = ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
-           tuple(map(tensor_key, biases)), return_a, splits, lockstep, chosen, graphs.settings())
-    return graphs.call(ws, key, body)
+    def layout() -> GatherLayout:  # made once, inside the graph cache's body (a copy may be captured)
+        if not lays:
+            lays.append(gather_layout(a_shard, dim, world, batch_major=True))
+        return lays[0]
+
+    def decomposed(transport: Transport) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        return _decomposed(transport, layout(), bs, biases, return_a)
+
+    def fused(ws: Workspace) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        return _fused(ws, layout(), bs, biases, return_a)
+
+    def key() -> tuple:
+        return ("all_gather_matmul", tensor_key(a_shard), dim, tuple(map(tensor_key, bs)),
+                tuple(map(tensor_key, biases)), return_a, plan.splits, plan.lockstep, plan.strategy, graphs.settings())
+
+    return execute("all_gather_matmul", plan, group, a_shard.device, serial=serial, decomposed=decomposed, key=key,
+                   fused=fused)
 
 
 @_all_gather_matmul_op.register_fake
@@ -113,32 +121,23 @@ def _(a_shard, bs, gather_dim, group_name, return_a, biases, strategy):
     return (lay.a_gathered(rows) if return_a else None), outs
 
 
-def _gather(ws_or_group, lay: GatherLayout, rows: torch.Tensor, consume, splits: int, lockstep: bool,
-            alternate: bool, ring: bool) -> None:
-    """The all-gather under the consumer: over the workspace, or (ring=True) over send/recv."""
-    if ring:
-        ring_gather_and_consume(ws_or_group, lay.shard_2d, rows, consume)
-    else:
-        gather_and_consume(ws_or_group, [lay.shard_2d], [rows], consume, splits=splits, alternate=alternate,
-                           lockstep=lockstep)
+def _fused(ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: list,
+           return_a: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+    """The single-launch GEMM (runtime/kernel_path.py) where it serves the call, else None."""
+    if kernel_path.gather_available(ws, lay.shard_2d, lay.segment, lay.k_mode, min(b.shape[1] for b in bs)) is not None:
+        return None
+    rows, out_rows = kernel_path.gather_matmul(ws, lay.shard_2d, bs, biases, segment=lay.segment, keep_gathered=return_a)
+    return (None if rows is None else lay.a_gathered(rows)), [lay.restore(o) for o in out_rows]
 
 
-def _pipelined(
-    ws: Workspace | Any, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool, splits: int,
-    lockstep: bool, ring: bool = False, fused: bool = False,
+def _decomposed(
+    transport: Transport, lay: GatherLayout, bs: list[torch.Tensor], biases: list, return_a: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """ws: the workspace, or the process group when ring=True. fused: the single-launch GEMM
-    where it serves the call (runtime/kernel_path.py), else the decomposition."""
-    if fused and kernel_path.gather_available(ws, lay.shard_2d, lay.segment, lay.k_mode,
-                                                 min(b.shape[1] for b in bs)) is None:
-        rows, out_rows = kernel_path.gather_matmul(ws, lay.shard_2d, bs, biases, segment=lay.segment,
-                                                   keep_gathered=return_a)
-        return (None if rows is None else lay.a_gathered(rows)), [lay.restore(o) for o in out_rows]
-    # the gathered rows are materialized only for the caller (or the ring, which receives into
-    # them); the workspace's push gather hands the consumer its blocks where they landed
-    rows = lay.new_rows(lay.shard_2d.shape[1]) if (return_a or ring) else None
+    """The gathered rows are materialized only for the caller; the workspace's push gather hands
+    the consumer its blocks where they landed (the ring receives into rows it makes itself)."""
+    rows = lay.new_rows(lay.shard_2d.shape[1]) if return_a else None
     if lay.k_mode:
-        outs = _consume_k_blocks(ws, lay, rows, bs, biases, splits, ring)
+        outs = _consume_k_blocks(transport, lay, rows, bs, biases)
     else:
         out_rows = [lay.new_rows(b.shape[1]) for b in bs]
 
@@ -148,14 +147,13 @@ def _pipelined(
                 for out, b, bias in zip(out_rows, bs, biases):
                     matmul_bias(blocks[0][off : off + count], b, bias, out=out[row : row + count])
 
-        _gather(ws, lay, rows, consume, splits, lockstep, True, ring)
+        transport.gather([lay.shard_2d], [rows], consume, alternate=True, lockstep=True)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows) if return_a else None), outs
 
 
 def _consume_k_blocks(
-    ws: Workspace | Any, lay: GatherLayout, rows: torch.Tensor, bs: list[torch.Tensor], biases: list, splits: int,
-    ring: bool,
+    transport: Transport, lay: GatherLayout, rows: torch.Tensor | None, bs: list[torch.Tensor], biases: list,
 ) -> list[torch.Tensor]:
     """Gather along K: rank r's block [M, k] multiplies rows r*k:(r+1)*k of b; products are
     accumulated in fp32 (one rounding at the end, with the bias, as one GEMM would)."""
@@ -167,8 +165,8 @@ def _consume_k_blocks(
         for acc, b in zip(accs, bs):
             _add_product(acc[lo:hi], blocks[0], b[src * k : (src + 1) * k])
 
-    # one stream: the accumulators are shared by every step
-    _gather(ws, lay, rows, consume, splits, False, False, ring)
+    # one stream, no lockstep: the accumulators are shared by every step
+    transport.gather([lay.shard_2d], [rows], consume, alternate=False, lockstep=False)
     outs = []
     for acc, bias in zip(accs, biases):
         if bias is not None:
@@ -202,22 +200,22 @@ def all_gather_contract(
     k = x_shard.shape[-1]
     rows_total = matmul_rows(x_shard, dim, world, gather=True)
     shape_key = (str(x_shard.dtype).removeprefix("torch."), k, sum(g.shape[-1] for g in gs), rows_total)
-    chosen, ws = choose("all_gather_matmul", strategy, pg, x_shard.device, shape_key)
-    if chosen == "serial":
+    plan = make_plan("all_gather_matmul", "all_gather_matmul", strategy, pg, x_shard.device, shape_key)
+
+    def serial() -> tuple[None, list[torch.Tensor]]:
         lay = gather_layout(x_shard, dim, world)
         rows = lay.new_rows(k)
         all_gather_rows(rows, lay.shard_2d, pg)
-        return [torch.mm(_rows_like(g, lay).t(), rows) for g in gs]
-    if chosen == "ring":
-        return _contract(pg, gather_layout(x_shard, dim, world, batch_major=True), gs, 1, ring=True)
-    ws.op = "all_gather_contract"
-    splits, _ = plan_for("all_gather_matmul", shape_key, ws.world_size)
+        return None, [torch.mm(_rows_like(g, lay).t(), rows) for g in gs]
 
-    def body():  # (None, outputs): the graph cache's result shape
-        return None, _contract(ws, gather_layout(x_shard, dim, world, batch_major=True), gs, splits)
+    def decomposed(transport: Transport) -> tuple[None, list[torch.Tensor]]:  # (None, outputs): the graph cache's result shape
+        return None, _contract(transport, gather_layout(x_shard, dim, world, batch_major=True), gs)
 
-    key = ("all_gather_contract", tensor_key(x_shard), dim, tuple(map(tensor_key, gs)), splits, graphs.settings())
-    return graphs.call(ws, key, body)[1]
+    def key() -> tuple:
+        return ("all_gather_contract", tensor_key(x_shard), dim, tuple(map(tensor_key, gs)), plan.splits,
+                graphs.settings())
+
+    return execute("all_gather_contract", plan, pg, x_shard.device, serial=serial, decomposed=decomposed, key=key)[1]
 
 
 @torch.library.custom_op(
@@ -244,7 +242,7 @@ def _rows_like(g: torch.Tensor, lay: GatherLayout) -> torch.Tensor:
     return g.movedim(lay.dim, 0).reshape(-1, g.shape[-1])
 
 
-def _contract(ws: Workspace | Any, lay: GatherLayout, gs: list[torch.Tensor], splits: int, ring: bool = False):
+def _contract(transport: Transport, lay: GatherLayout, gs: list[torch.Tensor]) -> list[torch.Tensor]:
     g_rows = [_rows_like(g, lay) for g in gs]
     k = lay.shard_2d.shape[1]
     accs = _sums(lay.shard_2d, [(g.shape[1], k) for g in g_rows])
@@ -254,9 +252,8 @@ def _contract(ws: Workspace | Any, lay: GatherLayout, gs: list[torch.Tensor], sp
             for acc, g in zip(accs, g_rows):
                 _add_product(acc, g[row : row + count].t(), blocks[0][off : off + count])
 
-    rows = lay.new_rows(k) if ring else None
-    # one stream: the accumulators are shared by every step
-    _gather(ws, lay, rows, consume, splits, False, False, ring)
+    # one stream, no lockstep: the accumulators are shared by every step
+    transport.gather([lay.shard_2d], [None], consume, alternate=False, lockstep=False)
     return [acc.to(lay.shard_2d.dtype) for acc in accs]
 
 

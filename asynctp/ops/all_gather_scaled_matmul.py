@@ -3,22 +3,19 @@ multiply it by float8 matrices with torch._scaled_mm, overlapping the gather wit
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from asynctp.ops import graphs, guard
+from asynctp.ops.dispatch import execute
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
-from asynctp.ops.pipeline import gather_and_consume
-from asynctp.ops.reference import all_gather_rows
-from asynctp.ops.ring import ring_gather_and_consume
+from asynctp.ops.plan import make_plan
 from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm
 from asynctp.ops.scales import aligned, check_all_gather_scaled_matmul, column_major, expand_cols, expand_rows
-from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import plan_for
+from asynctp.ops.strategy import eager_call_ok
+from asynctp.runtime.transport import Transport
 from asynctp.symm import resolve_group
 
 __all__ = ["all_gather_scaled_matmul", "all_gather_scaled_matmul_with_scale"]
@@ -139,7 +136,7 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     mode = "rowwise" if rowwise else "tensorwise"
     shape_key = (f"{str(a_shard.dtype).removeprefix('torch.')}-{mode}", matmul_rows(a_shard, dim, world, gather=True),
                  sum(b.shape[1] for b in bs), bs[0].shape[0])
-    chosen, ws = choose("all_gather_scaled_matmul", strategy, group, a_shard.device, shape_key)
+    plan = make_plan("all_gather_scaled_matmul", "all_gather_matmul", strategy, group, a_shard.device, shape_key)
 
     def args(batch_major: bool = True):
         # batch-major (where asked for and it applies) for the consumer-driven strategies; the
@@ -150,49 +147,22 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
         return (lay, a_scale, scale_2d, [column_major(b) for b in bs], b_scales, biases, out_dtype, use_fast_accum,
                 return_a, return_scale)
 
-    if chosen == "ring":
-        lay, _, scale_2d, *_ = call_args = args()
-        return _pipelined(_ring_gather(group, lay, scale_2d), *call_args)
-    if ws is None or chosen == "serial":
+    def serial() -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         lay, _, scale_2d, bs_cm, *_ = args(batch_major=False)
         return all_gather_scaled_matmul_serial(
             lay, a_scale, scale_2d, bs_cm, b_scales, biases, out_dtype, use_fast_accum, group, return_a, return_scale
         )
-    ws.op = "all_gather_scaled_matmul"
-    # the bf16 op's plan (row blocks, lockstep): the pipeline is the same
-    splits, lockstep = plan_for("all_gather_matmul", shape_key, world)
 
-    def gather(shards, gathered, consume, alternate: bool) -> None:
-        gather_and_consume(ws, shards, gathered, consume, splits=splits, alternate=alternate, lockstep=lockstep)
+    def decomposed(transport: Transport) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        return _decomposed(transport, *args())
 
-    def body():
-        return _pipelined(gather, *args())
+    def key() -> tuple:
+        return ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
+                tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
+                return_scale, plan.splits, plan.lockstep, graphs.settings())
 
-    key = ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
-           tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
-           return_scale, splits, lockstep, graphs.settings())
-    return graphs.call(ws, key, body)
-
-
-def _ring_gather(group: dist.ProcessGroup, lay: GatherLayout, scale_2d: torch.Tensor | None):
-    """The gather over send/recv (no workspace). The ring moves one tensor, a's rows; a rowwise
-    scale (4 bytes a row) is all-gathered up front and each chunk is handed its scale rows."""
-    m, world = lay.m, lay.world_size
-    scale_rows = None
-    if scale_2d is not None:
-        scale_rows = scale_2d.new_empty((world * m, 1))
-        all_gather_rows(scale_rows, scale_2d, group)
-
-    def gather(shards, gathered, consume, alternate: bool) -> None:
-        def with_scale(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
-            rows = blocks[0].shape[0]
-            extra = [] if scale_rows is None else [scale_rows[src * m + lo : src * m + lo + rows]]
-            consume(src, lo, [blocks[0], *extra])
-
-        into = gathered[0] if gathered[0] is not None else shards[0].new_empty((world * m, *shards[0].shape[1:]))
-        ring_gather_and_consume(group, shards[0], into, with_scale)
-
-    return gather
+    return execute("all_gather_scaled_matmul", plan, group, a_shard.device, serial=serial, decomposed=decomposed,
+                   key=key)
 
 
 def _preflight(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy) -> None:
@@ -220,8 +190,8 @@ def _(a_shard, bs, a_scale, b_scales, gather_dim, group_name, out_dtype, biases,
     return (lay.a_gathered(lay.new_rows(lay.shard_2d.shape[1])) if return_a else None), outs
 
 
-def _pipelined(
-    gather: Callable[..., None],
+def _decomposed(
+    transport: Transport,
     lay: GatherLayout,
     a_scale: torch.Tensor,
     scale_2d: torch.Tensor | None,
@@ -233,8 +203,8 @@ def _pipelined(
     return_a: bool,
     return_scale: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """One gather (gather_and_consume over the workspace) moves a's rows (as bytes) and, when
-    rowwise, the scale rows; gather(shards, gathered, consume, alternate) runs it. return_scale
+    """One gather over the transport moves a's rows (as bytes) and, when rowwise, the scale rows.
+    return_scale
     (rowwise, row mode): each block's scale rows are also copied out, and the gathered scale is
     appended to the outputs."""
     m, world = lay.m, lay.world_size
@@ -266,8 +236,8 @@ def _pipelined(
         def consume_block(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
             acc.add(src, lo, blocks[0].view(lay.shard_2d.dtype), block_scale(blocks))
 
-        # one stream: the accumulators are shared by every step
-        gather(shards, gathered, consume_block, False)
+        # one stream: the accumulators are shared by every step (the plan's lockstep still applies)
+        transport.gather(shards, gathered, consume_block, alternate=False, lockstep=True)
         outs = [lay.restore(o) for o in acc.finish(biases, out_dtype)]
     else:
         out_rows = [lay.new_rows(b.shape[1], dtype=out_dtype) for b in bs]
@@ -285,6 +255,6 @@ def _pipelined(
                 if return_scale:
                     out_rows[-1][row : row + count].copy_(blocks[1][off : off + count])
 
-        gather(shards, gathered, consume, True)
+        transport.gather(shards, gathered, consume, alternate=True, lockstep=True)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows) if return_a else None), outs

@@ -8,15 +8,15 @@ from typing import Any
 import torch
 
 from asynctp.ops import graphs, guard
+from asynctp.ops.dispatch import execute
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
-from asynctp.ops.pipeline import produce_and_reduce_scatter
-from asynctp.ops.ring import ring_produce_and_reduce_scatter
+from asynctp.ops.plan import make_plan
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
-from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import plan_for
+from asynctp.ops.strategy import eager_call_ok
 from asynctp.ops.validate import check_matmul_reduce_scatter
 from asynctp.runtime import kernel_path
+from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["matmul_reduce_scatter", "matmul_sum_reduce_scatter", "concat_terms"]
@@ -133,22 +133,30 @@ def _run_terms(a_list, b_list, dim, group, reduce_op, bias, strategy):
     world = group.size()
     k = sum(t.shape[0] for t in b_list)  # the concatenated problem's K: its tuned plan
     shape_key = (str(a.dtype).removeprefix("torch."), matmul_rows(a, dim, world, gather=False), b.shape[1], k)
-    chosen, ws = choose("matmul_reduce_scatter", strategy, group, a.device, shape_key)
-    if chosen == "serial":
+    plan = make_plan("matmul_reduce_scatter", "matmul_reduce_scatter", strategy, group, a.device, shape_key)
+
+    def serial() -> torch.Tensor:
         return matmul_reduce_scatter_serial([scatter_layout(t, dim, world) for t in a_list], b_list, reduce_op, bias, group)
-    if chosen == "ring":
-        lays = [scatter_layout(t, dim, world, batch_major=True) for t in a_list]
-        return _pipelined(group, lays, b_list, reduce_op, bias, 1, ring=True)
-    ws.op = "matmul_reduce_scatter"
-    splits, _ = plan_for("matmul_reduce_scatter", shape_key, ws.world_size)
 
-    def body():
-        return _pipelined(ws, [scatter_layout(t, dim, world, batch_major=True) for t in a_list], b_list, reduce_op, bias,
-                          splits, fused=chosen == "fused")
+    lays: list[ScatterLayout] = []
 
-    key = ("matmul_reduce_scatter", *map(tensor_key, a_list), *map(tensor_key, b_list), tensor_key(bias), dim, reduce_op,
-           splits, chosen, graphs.settings())
-    return graphs.call(ws, key, body)
+    def layouts() -> list[ScatterLayout]:  # made once, inside the graph cache's body (a copy may be captured)
+        if not lays:
+            lays.extend(scatter_layout(t, dim, world, batch_major=True) for t in a_list)
+        return lays
+
+    def decomposed(transport: Transport) -> torch.Tensor:
+        return _decomposed(transport, layouts(), b_list, reduce_op, bias)
+
+    def fused(ws: Workspace) -> torch.Tensor | None:
+        return _fused(ws, layouts(), b_list, reduce_op, bias)
+
+    def key() -> tuple:
+        return ("matmul_reduce_scatter", *map(tensor_key, a_list), *map(tensor_key, b_list), tensor_key(bias), dim,
+                reduce_op, plan.splits, plan.strategy, graphs.settings())
+
+    return execute("matmul_reduce_scatter", plan, group, a.device, serial=serial, decomposed=decomposed, key=key,
+                   fused=fused)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -159,19 +167,24 @@ def _(a, b, scatter_dim, group_name, reduce_op, bias, strategy):
     return lay.restore(a.new_empty(lay.chunk_shape(b.shape[1])))
 
 
-def _pipelined(
-    ws: Workspace | Any, lays: list[ScatterLayout], bs: list[torch.Tensor], reduce_op: str, bias: torch.Tensor | None,
-    splits: int, ring: bool = False, fused: bool = False,
+def _fused(ws: Workspace, lays: list[ScatterLayout], bs: list[torch.Tensor], reduce_op: str,
+           bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The single-launch GEMM where it serves the call (one term), else None."""
+    lay = lays[0]
+    if len(bs) != 1 or kernel_path.scatter_available(ws, lay.a_2d, bs[0].shape[1], lay.segment, lay.n_mode) is not None:
+        return None
+    bias_n = None if bias is None else bias_chunk(lay, bias, ws.rank)
+    return lay.restore(kernel_path.matmul_scatter(ws, lay.a_2d, bs[0], reduce_op, bias_n, segment=lay.segment))
+
+
+def _decomposed(
+    transport: Transport, lays: list[ScatterLayout], bs: list[torch.Tensor], reduce_op: str, bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """ws: the workspace, or the process group when ring=True. lays[i] @ bs[i] summed (one term:
-    a plain matmul); the layouts share their row structure (same leading shape and dim)."""
-    world, rank = (ws.size(), ws.rank()) if ring else (ws.world_size, ws.rank)
+    """lays[i] @ bs[i] summed (one term: a plain matmul), reduce-scattered over the transport; the
+    layouts share their row structure (same leading shape and dim)."""
+    world, rank = transport.world_size, transport.rank
     lay = lays[0]
     n = bs[0].shape[1] // world
-    if fused and len(bs) == 1 and kernel_path.scatter_available(ws, lay.a_2d, bs[0].shape[1], lay.segment,
-                                                                    lay.n_mode) is None:
-        bias_n = None if bias is None else bias_chunk(lay, bias, rank)
-        return lay.restore(kernel_path.matmul_scatter(ws, lay.a_2d, bs[0], reduce_op, bias_n, segment=lay.segment))
 
     def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
         if lay.n_mode:
@@ -188,11 +201,7 @@ def _pipelined(
             for lay_i, b_i in zip(lays[1:], b_cols[1:]):
                 o.addmm_(lay_i.a_2d[row : row + count], b_i)
 
-    chunk_shape = lay.chunk_shape(bs[0].shape[1])
-    if ring:
-        out = ring_produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, lay.a_2d.device, reduce_op)
-    else:
-        out = produce_and_reduce_scatter(ws, produce, chunk_shape, lay.a_2d.dtype, reduce_op, splits=splits)
+    out = transport.reduce_scatter(produce, lay.chunk_shape(bs[0].shape[1]), lay.a_2d.dtype, reduce_op, fused_acc=True)
     if bias is not None:
         out.add_(bias_chunk(lay, bias, rank))
     return lay.restore(out)

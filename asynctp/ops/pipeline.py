@@ -40,7 +40,7 @@ import torch
 from asynctp.ops.carveout import sm_carveout
 from asynctp.symm import Workspace
 
-__all__ = ["gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
+__all__ = ["SymmTransport", "gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
 
 _ALIGN = 256  # cuBLAS and the copy engines like 256-byte aligned operands
 _SIGNAL_BASE = 2  # signal channels start after the two barrier channels
@@ -250,6 +250,26 @@ def _produce_and_reduce_scatter(ws, produce, chunk_shape, dtype, reduce_op, spli
             _reduce_into(out[lo:hi], parts, reduce_op, block_acc)
     lanes.join()
     return out
+
+
+class SymmTransport:
+    """runtime.transport.Transport over a symmetric Workspace: the schedules above, with the
+    plan's row blocks per chunk and lockstep."""
+
+    def __init__(self, ws: Workspace, splits: int, lockstep: bool) -> None:
+        self.ws, self.splits, self.lockstep = ws, splits, lockstep
+        self.rank, self.world_size = ws.rank, ws.world_size
+
+    def gather(self, shards: list[torch.Tensor], gathered: list[torch.Tensor | None],
+               consume: Callable[[int, int, list[torch.Tensor]], None], *, alternate: bool, lockstep: bool) -> None:
+        gather_and_consume(self.ws, shards, gathered, consume, splits=self.splits, alternate=alternate,
+                           lockstep=lockstep and self.lockstep)
+
+    def reduce_scatter(self, produce: Callable[[int, int, int, torch.Tensor, torch.Tensor | None], None],
+                       chunk_shape: tuple[int, int], dtype: torch.dtype, reduce_op: str, *,
+                       fused_acc: bool) -> torch.Tensor:
+        return produce_and_reduce_scatter(self.ws, produce, chunk_shape, dtype, reduce_op, splits=self.splits,
+                                          fused_acc=fused_acc)
 
 
 _loaded: set[tuple] = set()  # reductions whose kernels this process has launched (_load_reduce_kernels)

@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from asynctp.ops.carveout import sm_carveout
 from asynctp.ops.pipeline import row_blocks
+from asynctp.ops.reference import all_gather_rows
 from asynctp.symm import Lanes
 
-__all__ = ["ring_gather_and_consume", "ring_produce_and_reduce_scatter"]
+__all__ = ["RingTransport", "ring_gather_and_consume", "ring_produce_and_reduce_scatter"]
 
 _lanes: dict[str, Lanes] = {}
 SPLITS: int | None = None  # row blocks per chunk for every call (None: by size, below); experiments
@@ -150,3 +151,35 @@ def _ring_reduce_scatter(group, produce, chunk_shape, dtype, device, reduce_op) 
         out.div_(world)
     lanes.join()
     return out
+
+
+class RingTransport:
+    """runtime.transport.Transport over send/recv (no workspace). The ring moves one tensor, the
+    first shard's rows; further shards (a rowwise fp8 scale: 4 bytes a row) are all-gathered up
+    front and each block is handed its rows of them. Its own row blocks: ring_splits."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.rank, self.world_size = group.rank(), group.size()
+
+    def gather(self, shards: list[torch.Tensor], gathered: list[torch.Tensor | None],
+               consume: Callable[[int, int, list[torch.Tensor]], None], *, alternate: bool, lockstep: bool) -> None:
+        m, world = shards[0].shape[0], self.world_size
+        extras = []
+        for shard in shards[1:]:
+            rows = shard.new_empty((world * m, *shard.shape[1:]))
+            all_gather_rows(rows, shard, self.group)
+            extras.append(rows)
+
+        def with_extras(src: int, lo: int, blocks: list[torch.Tensor]) -> None:
+            hi = src * m + lo + blocks[0].shape[0]
+            consume(src, lo, [blocks[0], *(rows[src * m + lo : hi] for rows in extras)])
+
+        # the ring receives into the gathered rows: made here when the caller does not keep them
+        into = gathered[0] if gathered[0] is not None else shards[0].new_empty((world * m, *shards[0].shape[1:]))
+        ring_gather_and_consume(self.group, shards[0], into, with_extras if extras else consume)
+
+    def reduce_scatter(self, produce: Callable[[int, int, int, torch.Tensor, torch.Tensor | None], None],
+                       chunk_shape: tuple[int, int], dtype: torch.dtype, reduce_op: str, *,
+                       fused_acc: bool) -> torch.Tensor:
+        return ring_produce_and_reduce_scatter(self.group, produce, chunk_shape, dtype, self.device, reduce_op)

@@ -3,23 +3,22 @@ rank's partial chunk sent while the next one is computed (row-parallel linear, f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from asynctp.ops import graphs, guard
+from asynctp.ops.dispatch import execute
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
-from asynctp.ops.pipeline import produce_and_reduce_scatter
-from asynctp.ops.ring import ring_produce_and_reduce_scatter
+from asynctp.ops.plan import make_plan
 from asynctp.ops.reference import bias_chunk
 from asynctp.ops.scaled_gemm import scaled_matmul_reduce_scatter_serial, scaled_mm
 from asynctp.ops.scales import aligned, check_scaled_matmul_reduce_scatter, column_major, expand_cols, expand_rows
-from asynctp.ops.strategy import choose, eager_call_ok
-from asynctp.ops.tuning import plan_for
+from asynctp.ops.strategy import eager_call_ok
 from asynctp.runtime import kernel_path
-from asynctp.symm import resolve_group
+from asynctp.runtime.transport import Transport
+from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["scaled_matmul_reduce_scatter"]
 
@@ -100,7 +99,7 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
     mode = "rowwise" if rowwise else "tensorwise"
     shape_key = (f"{str(a.dtype).removeprefix('torch.')}-{mode}", matmul_rows(a, dim, world, gather=False), b.shape[1],
                  b.shape[0])
-    chosen, ws = choose("scaled_matmul_reduce_scatter", strategy, group, a.device, shape_key)
+    plan = make_plan("scaled_matmul_reduce_scatter", "matmul_reduce_scatter", strategy, group, a.device, shape_key)
 
     def args(batch_major: bool = True):
         # batch-major (where asked for and it applies) for the produce-driven strategies; the
@@ -110,35 +109,28 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
         a_scale_2d = scatter_layout(a_scale, dim, world, batch_major).a_2d if rowwise else a_scale
         return (lay, a_scale_2d, column_major(b), b_scale, out_dtype, reduce_op, bias, use_fast_accum)
 
-    if chosen == "ring":
-        def ring_reduce_scatter(produce, chunk_shape) -> torch.Tensor:
-            return ring_produce_and_reduce_scatter(group, produce, chunk_shape, out_dtype, a.device, reduce_op)
-
-        return _pipelined(ring_reduce_scatter, group.rank(), *args())
-    if ws is None or chosen == "serial":
+    def serial() -> torch.Tensor:
         return scaled_matmul_reduce_scatter_serial(*args(batch_major=False), group)
-    ws.op = "scaled_matmul_reduce_scatter"
-    if chosen == "fused":
+
+    def decomposed(transport: Transport) -> torch.Tensor:
+        return _decomposed(transport, *args())
+
+    def fused(ws: Workspace) -> torch.Tensor | None:
         lay, a_scale_2d, b_cm, *_ = args()
-        if kernel_path.scatter_available(ws, lay.a_2d, b.shape[1], lay.segment, lay.n_mode) is None:
-            # the producer GEMM applies the scales and the bias in its epilogue, fp32 accumulation
-            return lay.restore(kernel_path.matmul_scatter(
-                ws, lay.a_2d, b_cm, reduce_op, bias, segment=lay.segment, out_dtype=out_dtype,
-                a_scale=a_scale_2d.reshape(-1).contiguous(), b_scale=b_scale.reshape(-1).contiguous()))
-    # the bf16 op's plan (row blocks): the pipeline is the same
-    splits, _ = plan_for("matmul_reduce_scatter", shape_key, world)
+        if kernel_path.scatter_available(ws, lay.a_2d, b.shape[1], lay.segment, lay.n_mode) is not None:
+            return None
+        # the producer GEMM applies the scales and the bias in its epilogue, fp32 accumulation
+        return lay.restore(kernel_path.matmul_scatter(
+            ws, lay.a_2d, b_cm, reduce_op, bias, segment=lay.segment, out_dtype=out_dtype,
+            a_scale=a_scale_2d.reshape(-1).contiguous(), b_scale=b_scale.reshape(-1).contiguous()))
 
-    def reduce_scatter(produce, chunk_shape) -> torch.Tensor:
-        # _scaled_mm has no accumulate epilogue: the pipeline adds the received partials itself
-        return produce_and_reduce_scatter(ws, produce, chunk_shape, out_dtype, reduce_op, splits=splits,
-                                          fused_acc=False)
+    def key() -> tuple:
+        return ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
+                tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, plan.splits, graphs.settings())
 
-    def body():
-        return _pipelined(reduce_scatter, ws.rank, *args())
-
-    key = ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
-           tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, splits, graphs.settings())
-    return graphs.call(ws, key, body)
+    # the key does not name the strategy: the single-launch call runs outside the graph cache
+    return execute("scaled_matmul_reduce_scatter", plan, group, a.device, serial=serial, decomposed=decomposed,
+                   key=key, fused=fused, fused_in_graph=False)
 
 
 @_scaled_matmul_reduce_scatter_op.register_fake
@@ -151,9 +143,8 @@ def _(a, b, a_scale, b_scale, scatter_dim, group_name, out_dtype, bias, reduce_o
     return lay.restore(a.new_empty(lay.chunk_shape(b.shape[1]), dtype=out_dtype))
 
 
-def _pipelined(
-    reduce_scatter: Callable[..., torch.Tensor],
-    rank: int,
+def _decomposed(
+    transport: Transport,
     lay: ScatterLayout,
     a_scale: torch.Tensor,
     b: torch.Tensor,
@@ -163,9 +154,9 @@ def _pipelined(
     bias: torch.Tensor | None,
     use_fast_accum: bool,
 ) -> torch.Tensor:
-    """reduce_scatter(produce, chunk_shape): produce_and_reduce_scatter over the workspace, or
-    the send/recv ring. a_scale: numel 1, or rowwise laid out like lay.a_2d ([rows, 1]).
-    produce never gets a partial to add (fused_acc=False): the pipeline reduces after the GEMM."""
+    """The scaled product reduce-scattered over the transport. a_scale: numel 1, or rowwise laid
+    out like lay.a_2d ([rows, 1]). produce never gets a partial to add (fused_acc=False):
+    _scaled_mm has no accumulate epilogue, the transport reduces after the GEMM."""
     chunk_shape = lay.chunk_shape(b.shape[1])
     n = chunk_shape[1]
     a_rowwise = a_scale.numel() != 1 or tuple(a_scale.shape) == (lay.a_2d.shape[0], 1)
@@ -201,8 +192,8 @@ def _pipelined(
         assert acc is None, "the fp8 pipeline reduces after the GEMM (fused_acc=False)"
         partial(dst, lo, hi, out)
 
-    out = reduce_scatter(produce, chunk_shape)
+    out = transport.reduce_scatter(produce, chunk_shape, out_dtype, reduce_op, fused_acc=False)
     if bias is not None:
-        out.add_(bias_chunk(lay, bias, rank))
+        out.add_(bias_chunk(lay, bias, transport.rank))
     return lay.restore(out)
 

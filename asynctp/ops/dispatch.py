@@ -1,0 +1,72 @@
+"""The one skeleton of every fused op: after the op validated its arguments, agreed on the call
+(ops/guard.py) and made its plan (ops/plan.py), run the plan on its transport.
+
+    serial     the op's serial reference (one collective, one matmul)
+    ring       the op's decomposed body over send/recv (ops/ring.py: RingTransport)
+    pipeline   the body over the symmetric workspace (ops/pipeline.py: SymmTransport), inside
+               the workspace's CUDA-graph cache (runtime/graphs.py)
+    fused      the single-launch GEMM (runtime/kernel_path.py) where it serves the call, else
+               as pipeline
+
+The op supplies what is computed (serial, decomposed(transport), fused(ws)) and the graph key
+of a call; this module decides how it is executed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from asynctp.ops import graphs
+from asynctp.ops.pipeline import SymmTransport
+from asynctp.ops.plan import Plan
+from asynctp.ops.ring import RingTransport
+from asynctp.runtime.transport import Transport
+from asynctp.symm import Workspace
+
+__all__ = ["execute"]
+
+R = TypeVar("R")
+
+
+def execute(
+    op: str,
+    plan: Plan,
+    group: Any,
+    device: torch.device,
+    *,
+    serial: Callable[[], R],
+    decomposed: Callable[[Transport], R],
+    key: Callable[[], tuple],
+    fused: Callable[[Workspace], R | None] | None = None,
+    fused_in_graph: bool = True,
+) -> R:
+    """The call's result. fused(ws) returns None where the kernel path cannot serve the call.
+    key(): everything a captured graph of the call depends on (built only where one may be).
+    fused_in_graph=False: the fused call runs before, outside the graph cache (for an op whose key
+    does not name the strategy, so a graph of one must not replay for the other)."""
+    if plan.strategy == "serial":
+        return serial()
+    if plan.strategy == "ring":
+        return decomposed(RingTransport(group, device))
+    ws = plan.ws
+    assert ws is not None, f"{op}: strategy {plan.strategy!r} requires a workspace"
+    ws.op = op
+    kernel = fused if plan.strategy == "fused" else None
+    if kernel is not None and not fused_in_graph:
+        result = kernel(ws)
+        if result is not None:
+            return result
+        kernel = None
+    transport = SymmTransport(ws, plan.splits, plan.lockstep)
+
+    def body() -> R:
+        if kernel is not None:
+            result = kernel(ws)
+            if result is not None:
+                return result
+        return decomposed(transport)
+
+    return graphs.call(ws, key(), body)

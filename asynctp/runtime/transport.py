@@ -1,0 +1,61 @@
+"""The one interface a decomposed fused op runs on: an all-gather that hands each arrived row
+block to a consumer, and a reduce-scatter of partials that a producer makes block by block.
+
+An op's body (ops/*: which matmul a block gets) is written once against this interface; the
+schedules implement it: the symmetric-memory pipeline (ops/pipeline.py: SymmTransport, the same
+code on CUDA and on the cpu backend) and the send/recv ring for groups without peer memory
+(ops/ring.py: RingTransport). The serial reference and the single-launch kernels
+(runtime/kernel_path.py) run whole calls and are chosen beside them by ops/dispatch.py.
+
+consume(src_rank, row_lo, blocks): blocks[i] holds rows row_lo : row_lo + len(blocks[0]) of
+rank src_rank's shards[i]; it must only read them (they may be views of a shared buffer).
+produce(dst_rank, lo, hi, out, acc): writes this rank's partial of rows lo:hi of dst_rank's
+chunk into out, or acc + partial when acc is given (one rounding: the GEMM's epilogue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+__all__ = ["Transport", "Consume", "Produce"]
+
+Consume = Callable[[int, int, list[torch.Tensor]], None]
+Produce = Callable[[int, int, int, torch.Tensor, "torch.Tensor | None"], None]
+
+
+class Transport(Protocol):
+    """Moves one call's rows between the ranks of a group, the compute hooked into each block."""
+
+    rank: int
+    world_size: int
+
+    def gather(
+        self,
+        shards: list[torch.Tensor],
+        gathered: list[torch.Tensor | None],
+        consume: Consume,
+        *,
+        alternate: bool,
+        lockstep: bool,
+    ) -> None:
+        """All-gather each shard ([m, ...], same m) into gathered[i] ([R * m, ...], rank order;
+        None: not kept) and consume every block once it arrived, the local shard first.
+        alternate: consecutive consumes may run on two streams (disjoint outputs only).
+        lockstep: the plan's lockstep may apply (False: the consumer shares state across blocks)."""
+        ...
+
+    def reduce_scatter(
+        self,
+        produce: Produce,
+        chunk_shape: tuple[int, int],
+        dtype: torch.dtype,
+        reduce_op: str,
+        *,
+        fused_acc: bool,
+    ) -> torch.Tensor:
+        """This rank's reduced chunk (a fresh [m, n] tensor) of the partials produce makes.
+        fused_acc: produce can write acc + partial (False: it is never given acc)."""
+        ...
