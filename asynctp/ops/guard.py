@@ -7,8 +7,8 @@ compares its signature, signature.py, in the values the ranks exchange anyway) a
 (an exception marks the group out of step until asynctp.reset). On CPU the workspace is made on
 first use, so every strategy is checked; on CUDA a call is checked once the group has a
 workspace (its pipelined calls). A group without a workspace has its calls numbered and guarded
-(symm/calls.py: UnsharedCalls); on CPU its ring compares them. Zero-size inputs run the serial
-strategy (nothing to overlap).
+(symm/calls.py: UnsharedCalls); on CPU its ring compares them. Zero-size inputs (judged by agreed
+fields) run the serial strategy (nothing to overlap).
 
 Config.check_finite (ASYNCTP_CHECK_FINITE=1): inputs are checked for NaN/Inf before they are
 communicated; every rank raises, naming the op and the ranks that had them. It costs one store
@@ -44,7 +44,7 @@ def agreed(op: str) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             group, device, values = fields(*args, **kwargs)
-            if strategy_at is not None and _has_empty(args) and strategy_at < len(args):
+            if strategy_at is not None and strategy_at < len(args) and _empty(values):
                 args = (*args[:strategy_at], "serial", *args[strategy_at + 1 :])
             pg = resolve_group(group)
             if pg.size() == 1:
@@ -64,13 +64,11 @@ def agreed(op: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def _has_empty(args: tuple) -> bool:
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.numel() == 0:
-            return True
-        if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in a):
-            return True
-    return False
+def _empty(values: tuple) -> bool:
+    """Whether what the call exchanges is empty, judged by agreed fields only (a rank-local empty
+    b must not send one rank to another strategy): the shape in values[0], and a reduce-scatter's
+    N in values[1]."""
+    return 0 in values[0] or (type(values[1]) is int and values[1] == 0)
 
 
 def enabled() -> bool:
