@@ -82,7 +82,8 @@ class Calls:
         self._depth -= 1
         if self._depth > 0:
             return
-        if exc is not None and self.broken is None:
+        # an error every rank raises before any exchange (CaptureGrowthError) leaves it in step
+        if exc is not None and self.broken is None and not getattr(exc, "in_step", False):
             self.broken = (
                 f"group {self.group_name!r} is out of step since {self.op} (call {self.seq}) failed with "
                 f"{type(exc).__name__}: {exc}; call asynctp.reset(group) on every rank or re-create the group"

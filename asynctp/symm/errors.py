@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["PeerTimeoutError", "CallMismatchError", "OutOfStepError", "WorkspaceUnavailable"]
+__all__ = ["PeerTimeoutError", "CallMismatchError", "OutOfStepError", "WorkspaceUnavailable", "CaptureGrowthError"]
 
 
 def _ranks(peers: Sequence[int]) -> str:
@@ -38,3 +38,11 @@ class OutOfStepError(RuntimeError):
 
 class WorkspaceUnavailable(RuntimeError):
     """No symmetric-memory backend can serve this group; ops fall back to serial (with a warning)."""
+
+
+class CaptureGrowthError(RuntimeError):
+    """A call inside a CUDA-graph capture needs a larger workspace. Workspaces are the same size on
+    every rank, so every rank raises it at the same point, before anything is exchanged: the
+    group stays in step (end_call does not mark it)."""
+
+    in_step = True

@@ -35,6 +35,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from asynctp.config import get_timeout
 from asynctp.symm.calls import Calls
+from asynctp.symm.errors import CaptureGrowthError
 
 __all__ = ["Workspace", "Lanes", "resolve_group", "group_name_of"]
 
@@ -230,7 +231,7 @@ class Workspace(Calls, abc.ABC):
         if nbytes <= self.nbytes:
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
+            raise CaptureGrowthError(
                 f"asynctp {self.op}: the workspace of group {self.group_name!r} needs {nbytes} "
                 f"bytes but holds {self.nbytes}, and it cannot grow during CUDA-graph capture; "
                 f"call asynctp.reserve(group, {nbytes}) before capturing"

@@ -134,3 +134,4 @@ def test_tuner_times_once_keeps_the_fastest_and_persists(tmp_path):
     timed.clear()
     configs.tune(torch.bfloat16, 192, 64, 64, 64, time_us)
     assert all(64 % c.block_m == 0 for c in timed)
+
