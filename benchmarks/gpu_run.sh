@@ -2,18 +2,25 @@
 # The GPU run: tests, then benchmarks, everything under $OUT/run.tgz (plus the logs' tails on
 # stdout). STEPS picks and orders the steps; each step has its own time limit.
 #   STEPS="kernels ops bench" bash benchmarks/gpu_run.sh
+# Tests run with a per-test limit (pytest-timeout), so one stuck test cannot hide the others'
+# results behind the step's limit.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 W=/tmp/asynctp-run; R=$W/results; mkdir -p $R
 export ASYNCTP_TUNING_CACHE=$W/tuning.json ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
+PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
 step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; }
 for s in ${STEPS:-kernels ops bench}; do
   case $s in
-    kernels) step 200 test_kernels python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py ;;
+    kernels) step 200 test_kernels $PYT tests/gpu/test_kernels.py ;;
     kbench) step 400 kernel_bench python3 benchmarks/kernels.py $R/kernels_${HW:-gpu}.json ${KBENCH_ARGS:-} ;;
-    ops) step ${OPS_LIMIT:-300} test_ops python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_ops.py tests/gpu/test_reliability.py ${OPS_ARGS:-} ;;
-    fused) step 200 test_fused python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused.py ;;
-    gpu) step ${GPU_LIMIT:-500} test_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    ops) step ${OPS_LIMIT:-300} test_ops $PYT tests/gpu/test_ops.py tests/gpu/test_reliability.py ${OPS_ARGS:-} ;;
+    fused) step 200 test_fused $PYT tests/gpu/test_fused.py ;;
+    gpu) step ${GPU_LIMIT:-500} test_gpu $PYT tests/gpu ;;
+    checks) step 120 bench_checks python3 -m asynctp.cli bench --checks --out $R ;;
+    contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
+    demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ;;
+    train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py ${TRAIN_ARGS:-} ;;
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
              step ${BENCH_LIMIT:-200} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
   esac
