@@ -20,7 +20,7 @@ for s in ${STEPS:-kernels ops bench}; do
     checks) step 120 bench_checks python3 -m asynctp.cli bench --checks --out $R ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ;;
-    train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py ${TRAIN_ARGS:-} ;;
+    train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
              step ${BENCH_LIMIT:-200} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
   esac
