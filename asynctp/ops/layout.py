@@ -10,7 +10,7 @@ the gathered matrix is columns r*k:(r+1)*k, which multiplies rows r*k:(r+1)*k of
 Outputs are fresh tensors, contiguous in the caller's layout (moved_back): the row tensors with
 the gather/scatter dim moved back in place, copied when that dim is not already outermost (a
 leading dim of size > 1, e.g. batch 2 with a sequence dim 1). Serial and pipelined strategies
-and the fake implementations return identical layouts. The batch-major order (ASYNCTP_BATCH_MAJOR:
+and the fake implementations return identical layouts. The batch-major order (BATCH_MAJOR:
 auto, the default, where each rank's run of rows is >= BATCH_MAJOR_MIN_ROWS; "1" always; "0"
 never) lets the pipelined and ring strategies keep the caller's row order instead of moving the
 dim first and back (no copies; one GEMM per run of rows): GatherLayout.out_runs,
@@ -181,7 +181,7 @@ def batch_major_mode() -> str:
 def batch_major_ok(a: torch.Tensor, dim: int, run_rows: int) -> bool:
     """Whether gather_layout / scatter_layout(batch_major=True) use the batch-major order for a:
     a gather / scatter dim behind leading dims of more than one element, not the last dim, and
-    ASYNCTP_BATCH_MAJOR "1", or "auto" (the default) with run_rows (a rank's rows of one leading
+    BATCH_MAJOR "1", or "auto" (the default) with run_rows (a rank's rows of one leading
     index) at least BATCH_MAJOR_MIN_ROWS: shorter runs make many small GEMMs."""
     if not (0 < dim < a.ndim - 1 and math.prod(a.shape[:dim]) > 1):
         return False
