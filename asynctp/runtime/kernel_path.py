@@ -23,6 +23,7 @@ contract): slots by source rank from offset 0, the opening barrier, every push m
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -38,7 +39,8 @@ _SIGNAL_BASE = 2  # signal channels after the two barrier channels (as the decom
 _MAX_BLOCKS = 8  # signal channels the kernel path uses at most
 _GATHER_SPLITS = 4  # blocks of a rank's rows in the all-gather (front order)
 _MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
-_counters: dict[tuple, torch.Tensor] = {}
+# per workspace (asynctp.reset makes a new one, and with it zeroed counters)
+_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -103,26 +105,21 @@ def _wait_counter(ws, counter: torch.Tensor, value: int, what: str) -> None:
 
 
 def _counter(ws, n: int) -> torch.Tensor:
-    """Zeroed int32 counters of this workspace's kernels (the kernels leave them zeroed)."""
-    key = (ws.group_name, ws.device, n)
-    t = _counters.get(key)
+    """Zeroed int32 counters of this workspace's kernels (the kernels and the copy stream leave
+    them zeroed)."""
+    per_ws = _counters.setdefault(ws, {})
+    t = per_ws.get(n)
     if t is None:
-        t = _counters[key] = torch.zeros(n, dtype=torch.int32, device=ws.device)
+        t = per_ws[n] = torch.zeros(n, dtype=torch.int32, device=ws.device)
     return t
 
 
-def reset(group_name: str) -> None:
-    """Zero the counters of a group (after a kernel was aborted mid-way)."""
-    for key, t in _counters.items():
-        if key[0] == group_name:
-            t.zero_()
-
-
-def _blocks(m: int, segment: int) -> tuple[int, int]:
-    """(blocks per rank, rows per block): one block per batch-major run, else one per rank."""
+def _scatter_blocks(m: int, segment: int) -> tuple[int, int]:
+    """(blocks per rank, rows per block) of the reduce-scatter: one per batch-major run, else two
+    where each holds whole 128-row tiles (the own blocks reduce one block behind the peers')."""
     if segment:
         return m // segment, segment
-    return 1, m
+    return (2, m // 2) if m % 256 == 0 else (1, m)
 
 
 def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_min: int) -> str | None:
@@ -244,9 +241,7 @@ def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool
     if n_mode:
         return "scattering along N is a column split"
     m = a_2d.shape[0] // ws.world_size
-    blocks, rows = _blocks(m, segment)
-    if not segment:
-        blocks, rows = (2, m // 2) if m % 256 == 0 else (1, m)
+    blocks, rows = _scatter_blocks(m, segment)
     if blocks > _MAX_BLOCKS:
         return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
     cfg = _config(a_2d.dtype, a_2d.shape[0], n, a_2d.shape[1], rows, ws.device)
@@ -264,9 +259,7 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     world, rank = ws.world_size, ws.rank
     m = a_2d.shape[0] // world
     n = b.shape[1]
-    blocks, rows = _blocks(m, segment)
-    if not segment:
-        blocks, rows = (2, m // 2) if m % 256 == 0 else (1, m)
+    blocks, rows = _scatter_blocks(m, segment)
     a_strides = (segment, world * segment) if segment else (m, rows)
     out_dtype = out_dtype or (torch.bfloat16 if a_2d.element_size() == 1 else a_2d.dtype)
     chunk = m * n * out_dtype.itemsize
