@@ -122,23 +122,29 @@ def _scatter_blocks(m: int, segment: int) -> tuple[int, int]:
     return (2, m // 2) if m % 256 == 0 else (1, m)
 
 
-def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_min: int) -> str | None:
-    """None where gather_matmul serves this call, else why not (the decomposition does)."""
-    why = _ready(ws, shard_2d.dtype)
+def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
+    """Why the GEMM cannot serve a problem of a ([rows, K] operand), m_total x n cut into
+    `blocks` blocks of `rows` rows per rank (None: it can). Tunes the problem's tile on first use."""
+    why = _ready(ws, a.dtype)
     if why:
         return why
+    if blocks > _MAX_BLOCKS:
+        return f"{blocks} blocks per rank exceed {_MAX_BLOCKS}"
+    k = a.shape[1]
+    if (k * a.element_size()) % 16 or (n * 2) % 16 or a.stride(1) != 1:
+        return "rows must be 16-byte aligned for TMA"
+    cfg = _config(a.dtype, m_total, n, k, rows, ws.device)
+    if rows % cfg.block_m:
+        return f"blocks of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
+    return None
+
+
+def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_min: int) -> str | None:
+    """None where gather_matmul serves this call, else why not (the decomposition does)."""
     if k_mode:
         return "gathering along K is accumulated per block"
-    m, k = shard_2d.shape
-    blocks, rows = _gather_blocks(m, segment)
-    if blocks > _MAX_BLOCKS:
-        return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
-    cfg = _config(shard_2d.dtype, m * ws.world_size, n_min, k, rows, ws.device)
-    if rows % cfg.block_m:
-        return f"runs of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
-    if (k * shard_2d.element_size()) % 16 or n_min * 2 % 16:
-        return "rows must be 16-byte aligned for TMA"
-    return None
+    m = shard_2d.shape[0]
+    return _serves(ws, shard_2d, m * ws.world_size, n_min, *_gather_blocks(m, segment))
 
 
 def _gather_blocks(m: int, segment: int) -> tuple[int, int]:
@@ -235,21 +241,9 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
 
 def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool) -> str | None:
     """None where matmul_scatter serves this call, else why not."""
-    why = _ready(ws, a_2d.dtype)
-    if why:
-        return why
     if n_mode:
         return "scattering along N is a column split"
-    m = a_2d.shape[0] // ws.world_size
-    blocks, rows = _scatter_blocks(m, segment)
-    if blocks > _MAX_BLOCKS:
-        return f"{blocks} runs per rank exceed {_MAX_BLOCKS}"
-    cfg = _config(a_2d.dtype, a_2d.shape[0], n, a_2d.shape[1], rows, ws.device)
-    if rows % cfg.block_m:
-        return f"blocks of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
-    if (a_2d.shape[1] * a_2d.element_size()) % 16 or (n * 2) % 16 or a_2d.stride(1) != 1:
-        return "rows must be 16-byte aligned for TMA"
-    return None
+    return _serves(ws, a_2d, a_2d.shape[0], n, *_scatter_blocks(a_2d.shape[0] // ws.world_size, segment))
 
 
 def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None, *,
