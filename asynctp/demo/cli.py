@@ -325,7 +325,7 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
         print(f"note: asynctp runs float8 {settings.float8}; vanilla TP runs {str(settings.dtype).removeprefix('torch.')}"
               + ("; the not-overlapped run uses asynctp's float8 too" if serial else ""))
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    stem = args.out / f"demo_{_hardware(world, device_type)}_{date}"
+    stem = args.out / f"demo_{_hardware(world, device_type)}"  # the latest run per hardware (dated inside)
     record = {
         "kind": "asynctp demo",
         "command": "asynctp demo " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "asynctp demo",
