@@ -407,28 +407,18 @@ def float8_linears(device: str, recipe: str, dtype_name: str) -> dict[str, float
 
 def gather_calls_per_forward(device: str, share_gathers: bool) -> int:
     """How many all_gather_linear calls one forward of the async plan makes."""
-    import asynctp.parallel.colwise as colwise
     from asynctp.demo.data import MarkovTokens
     from asynctp.demo.model import Transformer
     from asynctp.demo.plan import parallelize
+    from tests.cases_plans import counting_fused_gathers
 
     cfg = _test_config()
     torch.manual_seed(0)
     with torch.device(device):
         model = parallelize(Transformer(cfg), _mesh(device), True, share_gathers=share_gathers)
-    calls = []
-    original = colwise.run_all_gather_linear
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    colwise.run_all_gather_linear = counting
-    try:
+    with counting_fused_gathers() as calls:
         tokens = MarkovTokens(cfg.vocab_size).batch(cfg.batch_size, cfg.seq_len).to(device)
         _forward_backward(model, tokens)
-    finally:
-        colwise.run_all_gather_linear = original
     return len(calls)
 
 
