@@ -36,6 +36,17 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
 
 
+def _host_us(fn, calls: int = 200) -> float:
+    """Host time of one launch: calls queued back to back, the GPU never waited for."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def _operands(m, n, k, fp8):
     if fp8:
         a = (torch.randn(m, k, device="cuda") * 2).to(FP8)
@@ -72,6 +83,7 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None) -> list
             sqnr = 10 * torch.log10(ref.double().pow(2).mean() / (out.double() - ref.double()).pow(2).mean())
             row["sqnr_db"] = float(sqnr)
             row["no_wait_us"] = _time(plain)
+            row["launch_host_us"] = _host_us(plain)
             row["waits_us"] = _time(waits)
             row["fused_ag_us"] = _fused_ag(a, b, sa, sb, out, world, cfg)
             if sa is None:  # in place: the own rows read from their own tensor
@@ -167,10 +179,11 @@ def probe_local_copy(nbytes: int = 64 << 20) -> dict:
 
 
 def _config(spec: str) -> Config:
-    """BMxBNxBK:stages:warps[:nf] -> Config."""
+    """BMxBNxBK:stages:warps[:nf][:ns] -> Config (nf: tile loop not flattened; ns: last wave not split)."""
     parts = spec.split(":")
     bm, bn, bk = map(int, parts[0].split("x"))
-    return Config(bm, bn, bk, stages=int(parts[1]), warps=int(parts[2]), flatten=not (len(parts) > 3 and parts[3] == "nf"))
+    return Config(bm, bn, bk, stages=int(parts[1]), warps=int(parts[2]), flatten="nf" not in parts[3:],
+                  split="ns" not in parts[3:])
 
 
 def main(argv=None) -> None:
@@ -179,7 +192,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="the default config only")
     parser.add_argument("--shapes", default="", help="only shapes whose label contains this")
     parser.add_argument("--dtypes", default="bf16,fp8", help="bf16, fp8 or both")
-    parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf] to time instead "
+    parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf][:ns] to time instead "
                         "of the table's")
     parser.add_argument("--no-producer", action="store_true")
     parser.add_argument("--probe-copy", action="store_true", help="also probe_local_copy()")
@@ -194,8 +207,8 @@ def main(argv=None) -> None:
         for label, m, n, k in SHAPES:
             if args.shapes not in label:
                 continue
-            result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick,
-                                          configs=None if fp8 else configs)
+            picked = [c for c in configs or [] if (c.block_k == 128) == fp8]
+            result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick, configs=picked or None)
             if not args.no_producer and ("RS" in label or "w2" in label):
                 result["producer"].append(bench_producer(label, m, n, k, fp8))
     with open(args.out, "w") as f:
@@ -203,7 +216,7 @@ def main(argv=None) -> None:
     print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} {'inplace':>8} ratio")
     for r in result["gemm"]:
         c = r["config"]
-        tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}"
+        tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}{'' if c['split'] else 'ns'}"
         if "error" in r:
             print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['error'][:60]}")
             continue

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from asynctp.kernels.configs import Config
+from asynctp.kernels.configs import Config, split_parts
 
 @triton.jit
 def _spin(flag_ptr):
@@ -31,10 +31,10 @@ def _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mainloop(a_desc, b_desc, row, off_n, k_tiles, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _mainloop(a_desc, b_desc, row, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               B_TRANS: tl.constexpr):
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(k_tiles):
+    for ki in range(k_lo, k_hi):
         off_k = ki * BK
         a = a_desc.load([row, off_k])
         if B_TRANS:
@@ -45,12 +45,50 @@ def _mainloop(a_desc, b_desc, row, off_n, k_tiles, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
+def _split_unit(w, num_dp, k_tiles, SPLIT: tl.constexpr):
+    """Work unit w -> (tile, part, k-tile range): units below num_dp are whole tiles; the tiles
+    of the last, partial wave are split along K into SPLIT parts (one unit each)."""
+    t = w
+    part = 0
+    k_lo = 0
+    k_hi = k_tiles
+    if SPLIT > 1:
+        if w >= num_dp:
+            u = w - num_dp
+            t = num_dp + u // SPLIT
+            part = u % SPLIT
+            k_lo = part * k_tiles // SPLIT
+            k_hi = (part + 1) * k_tiles // SPLIT
+    return t, part, k_lo, k_hi
+
+
+@triton.jit
+def _fixup(acc, part_ptr, cnt_ptr, slot, part, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store this part's fp32 sum of a split tile; the part that arrives last adds all SPLIT parts
+    in part order (the same rounding whoever arrives last) and resets the tile's counter.
+    Returns (the tile's sum where this part is last, is_last)."""
+    offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    base = part_ptr + slot * (SPLIT * BM * BN)
+    tl.store(base + part * (BM * BN) + offs, acc, cache_modifier=".cg")
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    old = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    last = old == SPLIT - 1
+    if last:
+        tl.debug_barrier()
+        acc = tl.load(base + offs, cache_modifier=".cg")
+        for p in tl.static_range(1, SPLIT):
+            acc += tl.load(base + p * (BM * BN) + offs, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + slot, 0, sem="relaxed", scope="gpu")
+    return acc, last
+
+
+@triton.jit
 def _ag_mm_kernel(
     a_desc, b_desc, c_desc, a_ptr, a_local_ptr, stride_am,
-    sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, tcnt_ptr,
     M, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src,
-    sig_src, sig_blk, out_src, out_blk,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    sig_src, sig_blk, out_src, out_blk, num_dp,
+    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     ALIGNED: tl.constexpr, WAIT: tl.constexpr, RESET: tl.constexpr, LOCAL: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -66,7 +104,9 @@ def _ag_mm_kernel(
     tiles_per_group = tm * num_pid_n
     num_tiles = groups * tiles_per_group
     waited = -1
-    for t in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+    units = num_dp + (num_tiles - num_dp) * SPLIT
+    for w in tl.range(pid, units, NUM_SMS, flatten=FLATTEN):
+        t, part, k_lo, k_hi = _split_unit(w, num_dp, k_tiles, SPLIT)
         g, pm, pn = _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M)
         c = 0
         src = 0
@@ -101,33 +141,56 @@ def _ag_mm_kernel(
             row_ld = tl.where(is_local, row_a - local_src * rows_per_src, row_a)
             tile_desc = tl.make_tensor_descriptor(base, shape=[rows_in, K], strides=[stride_am, 1],
                                                   block_shape=[BM, BK])
-            acc = _mainloop(tile_desc, b_desc, row_ld, off_n, k_tiles, BM, BN, BK, B_TRANS)
+            acc = _mainloop(tile_desc, b_desc, row_ld, off_n, k_lo, k_hi, BM, BN, BK, B_TRANS)
         else:
-            acc = _mainloop(a_desc, b_desc, row_a, off_n, k_tiles, BM, BN, BK, B_TRANS)
-        cols = off_n + tl.arange(0, BN)
-        if A_SCALE == 1:
-            acc = acc * tl.load(a_scale_ptr)
-        if A_SCALE == 2:
-            rows = tl.arange(0, BM)
-            sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
-            acc = acc * sa[:, None]
-        if B_SCALE == 1:
-            acc = acc * tl.load(b_scale_ptr)
-        if B_SCALE == 2:
-            acc = acc * tl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        c_desc.store([row_out, off_n], acc.to(c_desc.dtype))
-        if RESET:
-            if src != local_src:
-                old = tl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
-                if old == tiles_per_group - 1:
-                    tl.atomic_xchg(cnt_ptr + c, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="release", scope="sys")
+            acc = _mainloop(a_desc, b_desc, row_a, off_n, k_lo, k_hi, BM, BN, BK, B_TRANS)
+        finish = True
+        if SPLIT > 1:
+            if w >= num_dp:
+                acc, finish = _fixup(acc, part_ptr, tcnt_ptr, t - num_dp, part, SPLIT, BM, BN)
+        if finish:
+            cols = off_n + tl.arange(0, BN)
+            if A_SCALE == 1:
+                acc = acc * tl.load(a_scale_ptr)
+            if A_SCALE == 2:
+                rows = tl.arange(0, BM)
+                sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
+                acc = acc * sa[:, None]
+            if B_SCALE == 1:
+                acc = acc * tl.load(b_scale_ptr)
+            if B_SCALE == 2:
+                acc = acc * tl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+            if HAS_BIAS:
+                acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            c_desc.store([row_out, off_n], acc.to(c_desc.dtype))
+            if RESET:
+                if src != local_src:
+                    old = tl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
+                    if old == tiles_per_group - 1:
+                        tl.atomic_xchg(cnt_ptr + c, 0, sem="relaxed", scope="gpu")
+                        tl.atomic_xchg(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="release", scope="sys")
 
 
 def _scale_mode(scale: torch.Tensor | None) -> int:
     return 0 if scale is None else (1 if scale.numel() == 1 else 2)
+
+
+_tail_counters: dict[tuple, torch.Tensor] = {}
+
+
+def tail_scratch(device: torch.device, tail: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 room for the split tiles' parts (from the caching allocator: stream-ordered, so a
+    later launch on another stream cannot overwrite it early) and one counter per split tile.
+    The counters are zero between launches (the last part resets its tile's), so they are kept
+    per device and stream; a launch being captured into a CUDA graph gets its own."""
+    parts = torch.empty(tail * split * bm * bn, dtype=torch.float32, device=device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return parts, torch.zeros(tail, dtype=torch.int32, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    counters = _tail_counters.get(key)
+    if counters is None or counters.numel() < tail:
+        counters = _tail_counters[key] = torch.zeros(max(tail, 256), dtype=torch.int32, device=device)
+    return parts, counters
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -155,16 +218,19 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     out_src = rows_per_src if cmap.out_src is None else cmap.out_src
     out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
     tiles = (m_total // bm if aligned else triton.cdiv(m_total, bm)) * triton.cdiv(nn_, bn)
-    grid = (max(1, min(num_sms, tiles)),)
+    split = split_parts(tiles, num_sms, triton.cdiv(k, bk)) if cfg.split else 1
+    tail = tiles % num_sms if split > 1 else 0
+    grid = (max(1, min(num_sms, tiles - tail + tail * split)),)
     dummy = out
+    parts, tail_counters = tail_scratch(out.device, tail, split, bm, bn) if split > 1 else (dummy, dummy)
     _ag_mm_kernel[grid](
         a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
         signals if signals is not None else dummy, counters if counters is not None else dummy,
         a_scale if a_scale is not None else dummy,
-        b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
+        b_scale if b_scale is not None else dummy, bias if bias is not None else dummy, parts, tail_counters,
         m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
-        sig_src, sig_blk, out_src, out_blk,
-        BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
+        sig_src, sig_blk, out_src, out_blk, tiles - tail,
+        SPLIT=split, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
         ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
         B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
         HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,

@@ -36,7 +36,7 @@ def _rs_mm_kernel(
         row_a = dst * a_dst + j * a_blk + pm * BM
         row_c = j * br + pm * BM  # within the chunk
         off_n = pn * BN
-        acc = _mainloop(a_desc, b_desc, row_a, off_n, k_tiles, BM, BN, BK, B_TRANS)
+        acc = _mainloop(a_desc, b_desc, row_a, off_n, 0, k_tiles, BM, BN, BK, B_TRANS)
         rows = tl.arange(0, BM)
         cols = off_n + tl.arange(0, BN)
         if A_SCALE == 1:

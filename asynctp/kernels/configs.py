@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Config", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
+__all__ = ["Config", "split_parts", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,30 @@ class Config:
     stages: int = 3  # software-pipelining depth of the K loop
     warps: int = 8
     flatten: bool = True  # one software pipeline across the tile loop and the K loop
+    split: bool = True  # split the tiles of a last, partial wave along K (split_parts)
+
+
+def split_parts(tiles: int, num_sms: int, k_tiles: int) -> int:
+    """Into how many K-parts the tiles of the last wave are split (1: none). A persistent grid
+    of num_sms programs runs tiles // num_sms full waves and then a partial one that leaves SMs
+    idle (448 128x256 tiles on 132 SMs: 52 tiles in a fourth wave, 80 SMs idle); split into
+    parts, the last wave's tiles keep more SMs busy for a fraction of a tile's time. Each part
+    keeps at least 4 K-tiles, so its software pipeline still fills."""
+    tail = tiles % num_sms
+    if tail == 0:
+        return 1
+    parts = min(num_sms // tail, 4, k_tiles // 4)
+    return parts if parts >= 2 else 1
 
 
 # Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer
 # (128x256x64 with 4 stages does not).
 _TABLE: dict[str, list[Config]] = {
     "16bit": [Config(128, 256, 64, stages=3, warps=8), Config(64, 256, 64, stages=4, warps=4),
-              Config(128, 256, 64, stages=3, warps=8, flatten=False)],
+              Config(128, 256, 64, stages=3, warps=8, flatten=False),
+              Config(128, 256, 64, stages=3, warps=8, split=False)],
     "fp8": [Config(128, 256, 128, stages=3, warps=8), Config(128, 128, 128, stages=4, warps=4),
-            Config(256, 128, 128, stages=3, warps=8)],
+            Config(256, 128, 128, stages=3, warps=8), Config(128, 256, 128, stages=3, warps=8, split=False)],
 }
 
 _tuned: dict[tuple, Config] = {}

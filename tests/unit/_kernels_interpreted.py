@@ -30,6 +30,16 @@ out.fill_(float("nan"))
 kern.launch(ws, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, None, None, None, cfg,
             3, a_local=a[32:].clone())
 assert torch.equal(out, a @ b)
+a4 = torch.randint(-3, 4, (64, 256)).float()
+b4 = torch.randint(-3, 4, (256, 48)).float()
+out4 = torch.full((64, 48), float("nan"))
+tail_counters = torch.zeros(4, dtype=torch.int32)
+kern.tail_scratch = lambda device, tail, split, bm, bn: (torch.full((tail * split * bm * bn,), float("nan")),
+                                                         tail_counters)
+# 12 tiles on 5 programs: 2 full waves, the last 2 tiles split along K into 2 parts each
+kern.launch(a4, b4, False, out4, torch.ones(4, dtype=torch.int32), 4, 1, 0, 16, 3, ChunkMap(), None, None, None, None,
+            cfg, 5)
+assert torch.equal(out4, a4 @ b4) and tail_counters.count_nonzero() == 0
 for rank in range(3):
     a3 = torch.randint(-3, 4, (3 * 32, 24)).float()
     received = torch.randint(-3, 4, (3, 32, 40)).float()

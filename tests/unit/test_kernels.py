@@ -91,7 +91,8 @@ def test_producer_reference_is_the_reduce_scatter():
 def test_kernels_in_triton_interpreter():
     """The Triton kernels themselves, run by TRITON_INTERPRET=1 in a fresh process."""
     script = os.path.join(os.path.dirname(__file__), "_kernels_interpreted.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     if "numpy" in res.stderr and "0-dimensional" in res.stderr:
         pytest.skip("this Triton's interpreter does not run with this numpy")
@@ -135,3 +136,22 @@ def test_tuner_times_once_keeps_the_fastest_and_persists(tmp_path):
     configs.tune(torch.bfloat16, 192, 64, 64, 64, time_us)
     assert all(64 % c.block_m == 0 for c in timed)
 
+
+
+@pytest.mark.parametrize(
+    "tiles, sms, k_tiles, parts",
+    [
+        (448, 132, 128, 2),  # 4096 x 3584 in 128x256 tiles on an H100: 52 tiles in the fourth wave
+        (448, 112, 128, 1),  # four full waves: nothing to split
+        (896, 132, 128, 1),  # 104 of 132 SMs busy in the last wave: splitting cannot pay
+        (20, 132, 128, 4),  # one partial wave: at most 4 parts
+        (20, 132, 8, 2),  # every part keeps 4 K-tiles
+        (20, 132, 7, 1),
+    ],
+)
+def test_the_last_partial_wave_is_split_along_k(tiles, sms, k_tiles, parts):
+    from asynctp.kernels.configs import split_parts
+
+    assert split_parts(tiles, sms, k_tiles) == parts
+    if parts > 1:  # one part per program: no program waits on another's part
+        assert tiles % sms * parts <= sms
