@@ -104,3 +104,48 @@ def fused_scaled_reduce_scatter_exact() -> int:
                     assert torch.equal(got, want), (shape, a_scale.numel(), (got.double() - want.double()).abs().max())
                 checked += 1
     return checked
+
+
+def fused_scaled_all_gather_exact() -> int:
+    """fp8 e4m3 all-gather -> scaled matmul on the single-launch GEMM: tensorwise (own rows read
+    in place) and rowwise (rows and scales staged, scales pushed with the rows), powers-of-two
+    scales, entries in {-1, 0, 1}: fp32 sums are exact, both paths round once, fused equals
+    serial bit for bit; two weights, with and without the gathered rows; the GEMM must run."""
+    from asynctp.runtime import kernel_path
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    f8 = torch.float8_e4m3fn
+    launched = []
+    original = kernel_path.gather_matmul
+
+    def counting(*args, **kwargs):
+        launched.append(1)
+        return original(*args, **kwargs)
+
+    kernel_path.gather_matmul = counting
+    checked = 0
+    try:
+        for shape, dim in (((1024, 256), 0), ((2, 512, 256), 1)):
+            a = ints(shape, 40 + rank, torch.float32, "cuda", low=-1, high=2).to(f8)
+            ws_ = [ints((n, 256), 41 + n, torch.float32, "cuda", low=-1, high=2).to(f8) for n in (384, 256)]
+            bs = [w.t() for w in ws_]
+            rows = shape[:-1] + (1,)
+            for a_scale, b_scales in ((torch.tensor(0.5, device="cuda"), [torch.tensor(2.0, device="cuda")] * 2),
+                                      (2.0 ** ints(rows, 42 + rank, torch.float32, "cuda", low=-2, high=1),
+                                       [2.0 ** ints((1, w.shape[0]), 43, torch.float32, "cuda", low=-2, high=1)
+                                        for w in ws_])):
+                for return_a in (True, False):
+                    want_a, want = asynctp.all_gather_scaled_matmul(a, bs, a_scale, b_scales, dim, g,
+                                                                    strategy="serial")
+                    before = len(launched)
+                    got_a, got = asynctp.all_gather_scaled_matmul(a, bs, a_scale, b_scales, dim, g,
+                                                                  return_a=return_a, strategy="fused")
+                    assert len(launched) == before + 1, "the single-launch GEMM did not serve the call"
+                    assert got_a is None or torch.equal(got_a.view(torch.uint8), want_a.view(torch.uint8))
+                    for o, w in zip(got, want):
+                        assert torch.equal(o, w), (shape, a_scale.numel(), (o.double() - w.double()).abs().max())
+                    checked += 1
+    finally:
+        kernel_path.gather_matmul = original
+    return checked

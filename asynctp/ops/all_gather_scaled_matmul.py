@@ -15,8 +15,9 @@ from asynctp.ops.plan import make_plan
 from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm
 from asynctp.ops.scales import aligned, check_all_gather_scaled_matmul, column_major, expand_cols, expand_rows
 from asynctp.ops.strategy import eager_call_ok
+from asynctp.runtime import kernel_path
 from asynctp.runtime.transport import Transport
-from asynctp.symm import resolve_group
+from asynctp.symm import Workspace, resolve_group
 
 __all__ = ["all_gather_scaled_matmul", "all_gather_scaled_matmul_with_scale"]
 
@@ -62,7 +63,8 @@ def all_gather_scaled_matmul(
 
     strategy: "auto" (measured per shape), "serial" (collective then matmul), "pipeline"
     (each rank pushes its shard into its peers' symmetric buffers by copy engine, block by block;
-    the matmuls read each block where it landed), "ring"
+    the matmuls read each block where it landed), "fused" (the same pushes, one persistent GEMM
+    that waits per block: asynctp.kernels; bf16 outputs on sm_90+, else as pipeline), "ring"
     (send/recv, for groups without peer memory; a rowwise scale is all-gathered up front).
     """
     pg = resolve_group(group)
@@ -156,13 +158,35 @@ def _run(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, 
     def decomposed(transport: Transport) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         return _decomposed(transport, *args())
 
+    def fused(ws: Workspace) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        lay, _, scale_2d, bs_cm, *_ = args()
+        return _fused(ws, lay, a_scale, scale_2d, bs_cm, b_scales, biases, out_dtype, return_a, return_scale)
+
     def key() -> tuple:
         return ("all_gather_scaled_matmul", tensor_key(a_shard), tensor_key(a_scale), dim, tuple(map(tensor_key, bs)),
                 tuple(map(tensor_key, b_scales)), tuple(map(tensor_key, biases)), out_dtype, use_fast_accum, return_a,
-                return_scale, plan.splits, plan.lockstep, graphs.settings())
+                return_scale, plan.splits, plan.lockstep, plan.strategy, graphs.settings())
 
     return execute("all_gather_scaled_matmul", plan, group, a_shard.device, serial=serial, decomposed=decomposed,
-                   key=key)
+                   key=key, fused=fused)
+
+
+def _fused(ws: Workspace, lay: GatherLayout, a_scale, scale_2d, bs, b_scales, biases, out_dtype, return_a,
+           return_scale) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+    """The single-launch GEMM (runtime/kernel_path.py) where it serves the call, else None: the
+    scales and the bias in its epilogue, fp32 accumulation (use_fast_accum asks for no less)."""
+    if return_scale or out_dtype != torch.bfloat16:
+        return None  # the gathered scale rows, and fp32 tiles (twice the epilogue's shared memory)
+    n_min = min(b.shape[1] for b in bs)
+    if kernel_path.gather_available(ws, lay.shard_2d, lay.segment, lay.k_mode, n_min) is not None:
+        return None
+    rowwise = scale_2d is not None
+    rows, out_rows = kernel_path.gather_matmul(
+        ws, lay.shard_2d, bs, biases, segment=lay.segment, keep_gathered=return_a,
+        a_scale=None if rowwise else a_scale.reshape(1).float(),
+        scale_rows=scale_2d.reshape(-1).float().contiguous() if rowwise else None,
+        b_scales=[s.reshape(-1).float().contiguous() for s in b_scales], out_dtype=out_dtype)
+    return (None if rows is None else lay.a_gathered(rows)), [lay.restore(o) for o in out_rows]
 
 
 def _preflight(a_shard, a_scale, checked, group, out_dtype, use_fast_accum, return_a, strategy) -> None:

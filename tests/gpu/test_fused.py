@@ -18,3 +18,7 @@ def test_fused_random_bf16_close_to_serial(pool):
 
 def test_fused_scaled_reduce_scatter_exact(pool):
     assert pool.run(cases_fused.fused_scaled_reduce_scatter_exact)[0] == 8
+
+
+def test_fused_scaled_all_gather_exact(pool):
+    assert pool.run(cases_fused.fused_scaled_all_gather_exact)[0] == 8
