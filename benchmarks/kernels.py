@@ -33,18 +33,37 @@ SHAPES = [
 
 
 def _time(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3  # us
 
 
-def _host_us(fn, calls: int = 200) -> float:
-    """Host time of one launch: calls queued back to back, the GPU never waited for."""
+def _host_us(fn, calls: int = 10, repeats: int = 11) -> float:
+    """Host time of one launch: a few calls queued on an idle GPU (few enough that the launch
+    queue never fills and blocks the host), the median of `repeats` such batches."""
+    per_call = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
+    return sorted(per_call)[repeats // 2]
+
+
+class _NoCache(dict):
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def _host_us_through_jit(fn) -> float:
+    """_host_us with every launch bound by Triton's JIT (the Launcher's cache off)."""
+    from asynctp.kernels import _ag_kernel
+
+    kept, _ag_kernel._launcher._compiled = _ag_kernel._launcher._compiled, _NoCache()
+    try:
+        return _host_us(fn)
+    finally:
+        _ag_kernel._launcher._compiled = kept
 
 
 def _operands(m, n, k, fp8):
@@ -56,7 +75,9 @@ def _operands(m, n, k, fp8):
     return a, torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t(), None, None
 
 
-def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None) -> list[dict]:
+def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=3) -> list[dict]:
+    """Every config's variants and cuBLAS, timed in `rounds` interleaved rounds (the median of
+    each kept): clocks drift over a run, and interleaving keeps that out of the ratios."""
     a, b, sa, sb = _operands(m, n, k, fp8)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     if fp8:
@@ -64,38 +85,51 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None) -> list
     else:
         ref_fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
     ref = ref_fn().clone()
-    t_ref = _time(ref_fn)
-    rows = []
     flags = torch.ones(world * 4, dtype=torch.int32, device="cuda")
     cands = configs or (candidates(a.dtype)[:1] if quick else candidates(a.dtype))
-    for cfg in cands:
+    rows, timed = [], {("ref", -1): ref_fn}
+    for i, cfg in enumerate(cands):
         row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16",
-               "config": cfg.__dict__.copy(), "cublas_us": t_ref}
+               "config": cfg.__dict__.copy()}
+        rows.append(row)
         try:
-            def plain():
+            def plain(cfg=cfg):
                 launch(a, b, out, None, (1, 1, 0), m, 0, ChunkMap(), a_scale=sa, b_scale=sb, config=cfg)
 
-            def waits():
+            def waits(cfg=cfg):
                 launch(a, b, out, flags, (world, 1, 0), m // world, 1, ChunkMap(), a_scale=sa, b_scale=sb,
                        config=cfg)
 
             plain()
             sqnr = 10 * torch.log10(ref.double().pow(2).mean() / (out.double() - ref.double()).pow(2).mean())
             row["sqnr_db"] = float(sqnr)
-            row["no_wait_us"] = _time(plain)
             row["launch_host_us"] = _host_us(plain)
-            row["waits_us"] = _time(waits)
-            row["fused_ag_us"] = _fused_ag(a, b, sa, sb, out, world, cfg)
+            row["launch_host_jit_us"] = _host_us_through_jit(plain)
+            timed.update({("no_wait_us", i): plain, ("waits_us", i): waits,
+                          ("fused_ag_us", i): _fused_ag(a, b, sa, sb, out, world, cfg)})
             if sa is None:  # in place: the own rows read from their own tensor
-                row["fused_ag_in_place_us"] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True)
+                timed[("fused_ag_in_place_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True)
+            for name in ("waits_us", "fused_ag_us", "fused_ag_in_place_us"):
+                if (name, i) in timed:
+                    timed[(name, i)]()
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        rows.append(row)
+            timed = {key: fn for key, fn in timed.items() if key[1] != i}
+    samples = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, fn in timed.items():
+            samples[key].append(_time(fn))
+    med = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    for (name, i), us in med.items():
+        if i >= 0:
+            rows[i][name] = us
+    for row in rows:
+        row["cublas_us"] = med[("ref", -1)]
         print(json.dumps(row), flush=True)
     return rows
 
 
-def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False) -> float:
+def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False):
     """The all-gather's call: rank 0 of `world`, the own rows staged on the same stream (an
     upper bound: the op stages them on a copy engine beside the GEMM), every remote flag set,
     flags reset by the kernel (set again before each run)."""
@@ -112,7 +146,7 @@ def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False) -> float:
         launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), counters=counters, a_scale=sa,
                b_scale=sb, config=cfg, a_local=mine if in_place else None)
 
-    return _time(run)
+    return run
 
 
 def bench_producer(label, m, n, k, fp8, world=2, blocks=2) -> dict:
@@ -214,6 +248,10 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} {'inplace':>8} ratio")
+    for r in result["gemm"]:
+        if "launch_host_us" in r:
+            print(f"host us per launch: {r['launch_host_us']:.1f} (through the JIT: {r['launch_host_jit_us']:.1f})")
+            break
     for r in result["gemm"]:
         c = r["config"]
         tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}{'' if c['split'] else 'ns'}"

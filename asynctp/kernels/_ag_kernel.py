@@ -8,6 +8,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels.configs import Config, split_parts
+from asynctp.kernels.triton_util import Launcher, pointer_key
 
 @triton.jit
 def _spin(flag_ptr):
@@ -82,7 +83,7 @@ def _fixup(acc, part_ptr, cnt_ptr, slot, part, SPLIT: tl.constexpr, BM: tl.const
     return acc, last
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])
 def _ag_mm_kernel(
     a_desc, b_desc, c_desc, a_ptr, a_local_ptr, stride_am,
     sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, tcnt_ptr,
@@ -175,22 +176,24 @@ def _scale_mode(scale: torch.Tensor | None) -> int:
     return 0 if scale is None else (1 if scale.numel() == 1 else 2)
 
 
-_tail_counters: dict[tuple, torch.Tensor] = {}
+_tail_state: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def tail_scratch(device: torch.device, tail: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 room for the split tiles' parts (from the caching allocator: stream-ordered, so a
-    later launch on another stream cannot overwrite it early) and one counter per split tile.
-    The counters are zero between launches (the last part resets its tile's), so they are kept
-    per device and stream; a launch being captured into a CUDA graph gets its own."""
-    parts = torch.empty(tail * split * bm * bn, dtype=torch.float32, device=device)
+    """fp32 room for the split tiles' parts and one counter per split tile. Kept per device and
+    stream (launches on one stream run one after another; the counters are zero between
+    launches: the last part resets its tile's); a launch being captured into a CUDA graph gets
+    its own (the graph's memory)."""
+    size = tail * split * bm * bn
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return parts, torch.zeros(tail, dtype=torch.int32, device=device)
+        return (torch.empty(size, dtype=torch.float32, device=device),
+                torch.zeros(tail, dtype=torch.int32, device=device))
     key = (device, torch.cuda.current_stream(device).cuda_stream)
-    counters = _tail_counters.get(key)
-    if counters is None or counters.numel() < tail:
-        counters = _tail_counters[key] = torch.zeros(max(tail, 256), dtype=torch.int32, device=device)
-    return parts, counters
+    state = _tail_state.get(key)
+    if state is None or state[0].numel() < size or state[1].numel() < tail:
+        state = _tail_state[key] = (torch.empty(size, dtype=torch.float32, device=device),
+                                    torch.zeros(max(tail, 256), dtype=torch.int32, device=device))
+    return state
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -198,22 +201,17 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
-def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
-           bias, cfg: Config, num_sms: int, a_local=None) -> None:
+_launcher = Launcher(_ag_mm_kernel)
+_plans: dict[tuple, tuple] = {}
+
+
+def _plan(a, b, b_trans, out, n, chunk_rows, cmap, a_scale, b_scale, bias, cfg: Config, num_sms: int, waits: bool,
+          reset: bool, local: bool) -> tuple:
+    """(grid, split, tail, the kernel's integer arguments, its constexprs) of a problem."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_total, k = n * chunk_rows, a.shape[1]
     nn_ = out.shape[1]
     aligned = chunk_rows % bm == 0
-    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
-    if a_local is not None:
-        if not aligned or a_local.stride(0) != a.stride(0):
-            raise ValueError(f"async_input_mm: a_local requires chunks of a multiple of {bm} rows and a's row "
-                             f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
-        if a.is_cuda:
-            triton.set_allocator(_scratch)
-    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
-                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
-    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
     rows_per_src = chunk_rows * cmap.blocks
     out_src = rows_per_src if cmap.out_src is None else cmap.out_src
     out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
@@ -221,18 +219,45 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     split = split_parts(tiles, num_sms, triton.cdiv(k, bk)) if cfg.split else 1
     tail = tiles % num_sms if split > 1 else 0
     grid = (max(1, min(num_sms, tiles - tail + tail * split)),)
+    ints = (m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks)
+    ints_after_pivot = (cmap.local_src,)
+    outs = (out_src, out_blk, tiles - tail)
+    constexprs = dict(SPLIT=split, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], ALIGNED=aligned,
+                      WAIT=waits, RESET=reset, LOCAL=local, B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale),
+                      B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None, FLATTEN=cfg.flatten)
+    return grid, split, tail, ints, ints_after_pivot, outs, constexprs
+
+
+def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
+           bias, cfg: Config, num_sms: int, a_local=None) -> None:
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    k, nn_ = a.shape[1], out.shape[1]
+    m_total = n * chunk_rows
+    if a_local is not None:
+        if chunk_rows % bm or a_local.stride(0) != a.stride(0):
+            raise ValueError(f"async_input_mm: a_local requires chunks of a multiple of {bm} rows and a's row "
+                             f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
+        if a.is_cuda:
+            triton.set_allocator(_scratch)
+    key = (cfg, b_trans, n, chunk_rows, cmap, num_sms, tuple(a.shape), a.stride(0), tuple(b.shape), tuple(b.stride()),
+           tuple(out.shape), out.stride(0), None if a_scale is None else a_scale.numel(),
+           None if b_scale is None else b_scale.numel(),
+           pointer_key(a, b, out, signals, counters, a_scale, b_scale, bias, a_local))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(a, b, b_trans, out, n, chunk_rows, cmap, a_scale, b_scale, bias, cfg, num_sms,
+                                   signals is not None, counters is not None, a_local is not None)
+    grid, split, tail, ints, ints_after_pivot, outs, constexprs = plan
+    a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [bm, bk])
+    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
+                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
+    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
     dummy = out
     parts, tail_counters = tail_scratch(out.device, tail, split, bm, bn) if split > 1 else (dummy, dummy)
-    _ag_mm_kernel[grid](
-        a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
-        signals if signals is not None else dummy, counters if counters is not None else dummy,
-        a_scale if a_scale is not None else dummy,
-        b_scale if b_scale is not None else dummy, bias if bias is not None else dummy, parts, tail_counters,
-        m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
-        sig_src, sig_blk, out_src, out_blk, tiles - tail,
-        SPLIT=split, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
-        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
-        B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
-        HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+    args = (a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
+            signals if signals is not None else dummy, counters if counters is not None else dummy,
+            a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
+            bias if bias is not None else dummy, parts, tail_counters,
+            *ints, pivot, *ints_after_pivot, sig_src, sig_blk, *outs)
+    # pivot, sig_src and sig_blk vary per call without entering the key: never specialized
+    _launcher(key, grid, args, constexprs, cfg.warps, cfg.stages)

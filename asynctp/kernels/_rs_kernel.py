@@ -11,6 +11,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _tile
 from asynctp.kernels.configs import Config
+from asynctp.kernels.triton_util import Launcher, pointer_key
 
 
 @triton.jit
@@ -74,6 +75,9 @@ def _rs_mm_kernel(
                     tl.atomic_xchg(sig_ptr + src * sig_src + j * sig_blk, 0, sem="release", scope="sys")
 
 
+_launcher = Launcher(_rs_mm_kernel)
+
+
 @functools.cache
 def _items(items_host: tuple, device: torch.device) -> torch.Tensor:
     return torch.tensor(items_host, dtype=torch.int32, device=device)
@@ -98,14 +102,15 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     tiles = (br // bm) * triton.cdiv(n, bn)
     grid = (max(1, min(num_sms, num_items * tiles)),)
     dummy = out
-    _rs_mm_kernel[grid](
-        a_desc, b_desc, recv_desc, partials, out, items, signals, counters,
-        a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
-        bias if bias is not None else dummy,
-        n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
-        BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
-        A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
-        AVG=reduce_op == "avg", FLATTEN=False,  # the reduction loops defeat Triton's loop fusion
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+    args = (a_desc, b_desc, recv_desc, partials, out, items, signals, counters,
+            a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
+            bias if bias is not None else dummy,
+            n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items)
+    constexprs = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
+                      A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
+                      AVG=reduce_op == "avg", FLATTEN=False)  # the reduction loops defeat Triton's loop fusion
+    key = (cfg, tuple(a.shape), a.stride(0), tuple(b.shape), tuple(b.stride()), tuple(received.shape), args[11:],
+           tuple(constexprs.values()), pointer_key(a, b, received, partials, out, items, signals, counters, a_scale,
+                                                   b_scale, bias))
+    _launcher(key, grid, args, constexprs, cfg.warps, cfg.stages)
     return tiles

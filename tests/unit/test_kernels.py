@@ -144,7 +144,7 @@ def test_tuner_times_once_keeps_the_fastest_and_persists(tmp_path):
         (448, 132, 128, 2),  # 4096 x 3584 in 128x256 tiles on an H100: 52 tiles in the fourth wave
         (448, 112, 128, 1),  # four full waves: nothing to split
         (896, 132, 128, 1),  # 104 of 132 SMs busy in the last wave: splitting cannot pay
-        (20, 132, 128, 4),  # one partial wave: at most 4 parts
+        (20, 132, 128, 2),  # one partial wave: at most 2 parts
         (20, 132, 8, 2),  # every part keeps 4 K-tiles
         (20, 132, 7, 1),
     ],
