@@ -222,11 +222,11 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
         if gathered is not None:  # rank-major, as the decomposition's rows
             gathered[rank * m : (rank + 1) * m].copy_(shard_2d)
             for step in range(1, world):
+                # a source's blocks and flags come in order from one stream: its last flag
+                # means all its rows are here, copied out at once
                 src = (rank + step) % world
-                for j in range(blocks):
-                    _wait_flag(ws, flags[j * world + src], f"rank {src}'s rows, block {j}")
-                    lo, hi = src * m + j * rows, src * m + (j + 1) * rows
-                    gathered[lo:hi].copy_(all_rows[lo:hi])
+                _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
+                gathered[src * m : (src + 1) * m].copy_(all_rows[src * m : (src + 1) * m])
     ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
     sig = (world * blocks, 1, world)
