@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import asynctp
 from asynctp.bench.shapes import KINDS, Shape
-from asynctp.ops.reference import all_gather_rows, reduce_scatter_rows
+from asynctp.runtime.collective import all_gather_rows, reduce_scatter_rows
 
 __all__ = [
     "Problem", "OpCase", "CASES", "register", "dtype_name", "randn", "check_close", "check_sqnr", "call_torch_symm",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from asynctp.ops.reference import all_gather_rows
+from asynctp.runtime.collective import all_gather_rows
 
 __all__ = ["measure_contention"]
 

@@ -12,10 +12,11 @@ from asynctp.ops.dispatch import execute
 from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
 from asynctp.ops.plan import make_plan
-from asynctp.ops.reference import all_gather_matmul_serial, all_gather_rows, matmul_bias
+from asynctp.ops.reference import all_gather_matmul_serial, matmul_bias
 from asynctp.ops.strategy import eager_call_ok
 from asynctp.ops.validate import check_all_gather_matmul
 from asynctp.runtime import kernel_path
+from asynctp.runtime.collective import all_gather_rows
 from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace, resolve_group
 

@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from asynctp.ops import guard
 from asynctp.ops.layout import moved_back
-from asynctp.ops.pipeline import gather_and_consume, produce_and_reduce_scatter
-from asynctp.ops.reference import all_gather_rows, divide_for_avg, reduce_scatter_rows
+from asynctp.ops.reference import divide_for_avg
 from asynctp.ops.validate import REDUCE_OPS, check_dim, check_tensor
+from asynctp.runtime.collective import all_gather_rows, reduce_scatter_rows
+from asynctp.runtime.pipeline import gather_and_consume, produce_and_reduce_scatter
 from asynctp.symm import get_workspace, resolve_group
 
 __all__ = ["all_gather", "reduce_scatter"]

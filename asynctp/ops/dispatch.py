@@ -2,8 +2,8 @@
 (ops/guard.py) and made its plan (ops/plan.py), run the plan on its transport.
 
     serial     the op's serial reference (one collective, one matmul)
-    ring       the op's decomposed body over send/recv (ops/ring.py: RingTransport)
-    pipeline   the body over the symmetric workspace (ops/pipeline.py: SymmTransport), inside
+    ring       the op's decomposed body over send/recv (runtime/ring.py: RingTransport)
+    pipeline   the body over the symmetric workspace (runtime/pipeline.py: SymmTransport), inside
                the workspace's CUDA-graph cache (runtime/graphs.py)
     fused      the single-launch GEMM (runtime/kernel_path.py) where it serves the call, else
                as pipeline
@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import torch
 
 from asynctp.ops import graphs
-from asynctp.ops.pipeline import SymmTransport
 from asynctp.ops.plan import Plan
-from asynctp.ops.ring import RingTransport
+from asynctp.runtime.pipeline import SymmTransport
+from asynctp.runtime.ring import RingTransport
 from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace
 

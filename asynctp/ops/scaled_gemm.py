@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from asynctp.config import warn_once
 from asynctp.ops.layout import GatherLayout, ScatterLayout
-from asynctp.ops.reference import all_gather_rows, reduce_scatter_product
+from asynctp.ops.reference import reduce_scatter_product
 from asynctp.ops.scales import CUDA_DIM_MULTIPLE, aligned, expand_cols, expand_rows
+from asynctp.runtime.collective import all_gather_rows
 
 __all__ = [
     "scaled_mm",

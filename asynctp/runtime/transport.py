@@ -2,9 +2,9 @@
 block to a consumer, and a reduce-scatter of partials that a producer makes block by block.
 
 An op's body (ops/*: which matmul a block gets) is written once against this interface; the
-schedules implement it: the symmetric-memory pipeline (ops/pipeline.py: SymmTransport, the same
-code on CUDA and on the cpu backend) and the send/recv ring for groups without peer memory
-(ops/ring.py: RingTransport). The serial reference and the single-launch kernels
+schedules implement it: the symmetric-memory pipeline (runtime/pipeline.py: SymmTransport, the
+same code on CUDA and on the cpu backend) and the send/recv ring for groups without peer memory
+(runtime/ring.py: RingTransport). The serial reference and the single-launch kernels
 (runtime/kernel_path.py) run whole calls and are chosen beside them by ops/dispatch.py.
 
 consume(src_rank, row_lo, blocks): blocks[i] holds rows row_lo : row_lo + len(blocks[0]) of

@@ -9,7 +9,7 @@ their own, unwatched (asynctp's own graphs, runtime/graphs.py, capture the strea
 watchdog watches their replays). Multicast is never used.
 
 Flags are set by the peer and reset by their owner after the wait. A flag's next set must come
-after its reset; the pipelines (ops/pipeline.py) order it so: every op opens with barrier 0, and
+after its reset; the pipelines (runtime/pipeline.py) order it so: every op opens with barrier 0, and
 after it each rank waits for something every peer issued after its own barrier-0 reset (the
 closing barrier 1 of a pull all-gather, the pushed blocks' signals of a push all-gather and of a
 reduce-scatter); the next

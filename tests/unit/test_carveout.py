@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from asynctp import config
-from asynctp.ops import carveout
-from asynctp.ops.carveout import carveout_for, sm_carveout
+from asynctp.runtime import carveout
+from asynctp.runtime.carveout import carveout_for, sm_carveout
 
 
 def test_defaults_and_override():

@@ -1,9 +1,9 @@
 """The reduce-scatter loads its reduction's kernels before it enqueues any wait on a peer
-(asynctp/ops/pipeline.py: _load_reduce_kernels): once per dtype / alignment / reduce op."""
+(asynctp/runtime/pipeline.py: _load_reduce_kernels): once per dtype / alignment / reduce op."""
 
 import torch
 
-from asynctp.ops import pipeline
+from asynctp.runtime import pipeline
 
 
 def test_reduction_kernels_are_launched_once_per_dtype_alignment_and_op(monkeypatch):

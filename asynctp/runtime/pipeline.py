@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from asynctp.ops.carveout import sm_carveout
+from asynctp.runtime.carveout import sm_carveout
 from asynctp.symm import Workspace
 
 __all__ = ["SymmTransport", "gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from asynctp.ops.carveout import sm_carveout
-from asynctp.ops.pipeline import row_blocks
-from asynctp.ops.reference import all_gather_rows
+from asynctp.runtime.carveout import sm_carveout
+from asynctp.runtime.collective import all_gather_rows
+from asynctp.runtime.pipeline import row_blocks
 from asynctp.symm import Lanes
 
 __all__ = ["RingTransport", "ring_gather_and_consume", "ring_produce_and_reduce_scatter"]
