@@ -68,7 +68,9 @@ class Launcher:
 
 
 def _launch_hooks() -> bool:
-    """Whether a profiler hooked Triton's launches (then every launch goes through the JIT)."""
+    """Whether a profiler hooked Triton's launches (then every launch goes through the JIT). An
+    empty hook chain (Triton 3.4+ always has one) is no hook."""
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)

@@ -41,6 +41,7 @@ _GATHER_SPLITS = 4  # blocks of a rank's rows in the all-gather (front order)
 _MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
 # per workspace (asynctp.reset makes a new one, and with it zeroed counters)
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per workspace: problem -> _serves's answer
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -124,7 +125,18 @@ def _scatter_blocks(m: int, segment: int) -> tuple[int, int]:
 
 def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
     """Why the GEMM cannot serve a problem of a ([rows, K] operand), m_total x n cut into
-    `blocks` blocks of `rows` rows per rank (None: it can). Tunes the problem's tile on first use."""
+    `blocks` blocks of `rows` rows per rank (None: it can). Tunes the problem's tile on first use;
+    the answer is kept per workspace (only whether a graph capture is running is asked anew)."""
+    if ws.device.type == "cuda" and not ws.uses_stream_ops():
+        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
+    known = _served.setdefault(ws, {})
+    key = (a.dtype, m_total, n, a.shape[1], a.stride(1), blocks, rows)
+    if key not in known:
+        known[key] = _check_serves(ws, a, m_total, n, blocks, rows)
+    return known[key]
+
+
+def _check_serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
     why = _ready(ws, a.dtype)
     if why:
         return why
