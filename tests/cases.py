@@ -482,7 +482,7 @@ def graph_replays() -> list[dict]:
     with ranks that replay. Returns each round's graph-cache counts."""
     import os
 
-    from asynctp.ops import graphs
+    from asynctp.runtime import graphs
 
     rank, ws = world()
     g = dist.group.WORLD

@@ -162,7 +162,7 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     from asynctp's CUDA graph (runtime/graphs.py)."""
     import faulthandler
 
-    from asynctp.ops import graphs
+    from asynctp.runtime import graphs
     from asynctp.symm import cuda as symm_cuda
 
     symm_cuda.TORCH_SIGNALS = torch_signals  # before the workspace exists

@@ -31,7 +31,7 @@ from asynctp.bench.report import AUTO, AUTO_GRAPH, AUTO_PAIRED, COMM, COMPUTE, S
 from asynctp.bench.shapes import Shape, shapes_for
 from asynctp.symm.rendezvous import exchange
 from asynctp.bench.timing import capture_graph, isolated_us, paired_us, synchronize, time_us
-from asynctp.ops import graphs
+from asynctp.runtime import graphs
 
 __all__ = ["BenchConfig", "DTYPES", "pipelined_strategies", "variant", "environment", "measure_shape", "run_benchmark"]
 

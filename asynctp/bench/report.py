@@ -19,7 +19,7 @@ timed the same replayed code 1-6% slower than the standalone column (2xH200, fp8
 so older rows whose asynctp_auto was the paired time understate auto against torch by that
 much. "graph_calls" maps each
 asynctp variant to its calls' counts in asynctp's CUDA-graph cache during its timing (eager /
-captured / replayed and why eager, non-zero ones only: asynctp/ops/graphs.py), i.e. whether its
+captured / replayed and why eager, non-zero ones only: asynctp/runtime/graphs.py), i.e. whether its
 eager time measured replays or launches.
 """
 

@@ -117,7 +117,7 @@ def train(
 
 
 def _train(variant, settings, mesh, device, on_step) -> RunResult:
-    from asynctp.ops import graphs
+    from asynctp.runtime import graphs
 
     run = _Run(variant, settings, mesh, device)
     graphs.clear()  # a run neither reuses nor holds (in its peak memory) an earlier run's graphs
@@ -162,7 +162,7 @@ def train_interleaved(
     if settings.compile or any(v.torch_async_tp or v.asynctp_pass for v in variants):
         raise ValueError("train_interleaved requires eager runs (no --compile, --torch-async-tp or --asynctp-pass), "
                          f"got compile={settings.compile} and variants {[v.name for v in variants]}")
-    from asynctp.ops import graphs
+    from asynctp.runtime import graphs
 
     graphs.clear()
     runs = [_Run(v, settings, mesh, device) for v in variants]
@@ -209,7 +209,7 @@ class _Run:
         """`count` steps queued back to back, the host waiting for the GPU only after the last;
         each step's (loss, seconds), seconds being the stretch's time over `count` (one step:
         its own time, from an idle GPU). Its pipelined calls are counted for this run."""
-        from asynctp.ops import graphs
+        from asynctp.runtime import graphs
 
         cfg, device, result = self.settings.cfg, self.device, self.result
         batches = [self.data.batch(cfg.batch_size, cfg.seq_len).to(device) for _ in range(count)]

@@ -11,7 +11,7 @@ rowwise scales travel with their rows. Weights are quantized per output feature 
 
 A Float8Matmuls made once per module (asynctp.parallel does) quantizes into buffers it keeps,
 one per operand, when CUDA graphs are on: the fused ops then see the same addresses at every
-step and replay from their graphs (asynctp.ops.graphs). The cost is memory: each linear keeps its
+step and replay from their graphs (asynctp.runtime.graphs). The cost is memory: each linear keeps its
 fp8 operands (about its weights' bf16 size plus its fp8 activations and gradients) between calls.
 """
 
@@ -25,10 +25,10 @@ import torch.distributed._functional_collectives as funcol
 
 from asynctp.float8 import Float8Recipe
 from asynctp.float8 import quantize as q
-from asynctp.ops import graphs
 from asynctp.ops.all_gather_scaled_matmul import all_gather_scaled_matmul, all_gather_scaled_matmul_with_scale
 from asynctp.ops.scaled_matmul_reduce_scatter import scaled_matmul_reduce_scatter
 from asynctp.ops.strategy import eager_call_ok
+from asynctp.runtime import graphs
 
 __all__ = ["Float8Matmuls", "resolve_float8"]
 

@@ -9,7 +9,7 @@ import torch
 
 from asynctp.ops import graphs, guard
 from asynctp.ops.dispatch import execute
-from asynctp.ops.graphs import tensor_key
+from asynctp.runtime.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
 from asynctp.ops.plan import make_plan
 from asynctp.ops.scaled_gemm import KBlockAccumulator, all_gather_scaled_matmul_serial, scaled_mm

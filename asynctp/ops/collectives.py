@@ -58,7 +58,6 @@ def _all_gather_op(x, gather_dim, group_name):
     if ws is None:
         all_gather_rows(gathered, front, pg)
     else:
-        ws.op = "all_gather"
         gather_and_consume(ws, [_rows(front)], [_rows(gathered)], lambda *_: None)
     return moved_back(gathered, gather_dim)
 
@@ -112,7 +111,6 @@ def _reduce_scatter_op(x, scatter_dim, group_name, reduce_op):
         reduce_scatter_rows(out, rows, pg)
         divide_for_avg(out, reduce_op, world)
     else:
-        ws.op = "reduce_scatter"
 
         def produce(dst: int, lo: int, hi: int, out: torch.Tensor, acc: torch.Tensor | None) -> None:
             chunk = rows[dst * m + lo : dst * m + hi]

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from asynctp.ops import graphs
 from asynctp.ops.plan import Plan
+from asynctp.runtime import graphs
 from asynctp.runtime.pipeline import SymmTransport
 from asynctp.runtime.ring import RingTransport
 from asynctp.runtime.transport import Transport
@@ -53,7 +53,6 @@ def execute(
         return decomposed(RingTransport(group, device))
     ws = plan.ws
     assert ws is not None, f"{op}: strategy {plan.strategy!r} requires a workspace"
-    ws.op = op
     kernel = fused if plan.strategy == "fused" else None
     if kernel is not None and not fused_in_graph:
         result = kernel(ws)
@@ -69,4 +68,4 @@ def execute(
                 return result
         return decomposed(transport)
 
-    return graphs.call(ws, key(), body)
+    return graphs.call(ws, op, key(), body)

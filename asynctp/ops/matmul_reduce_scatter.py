@@ -9,13 +9,13 @@ import torch
 
 from asynctp.ops import graphs, guard
 from asynctp.ops.dispatch import execute
-from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.plan import make_plan
 from asynctp.ops.reference import bias_chunk, matmul_reduce_scatter_serial
 from asynctp.ops.strategy import eager_call_ok
 from asynctp.ops.validate import check_matmul_reduce_scatter
 from asynctp.runtime import kernel_path
+from asynctp.runtime.graphs import tensor_key
 from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace, resolve_group
 

@@ -9,7 +9,6 @@ import torch
 
 from asynctp.ops import graphs, guard
 from asynctp.ops.dispatch import execute
-from asynctp.ops.graphs import tensor_key
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.plan import make_plan
 from asynctp.ops.reference import bias_chunk
@@ -17,6 +16,7 @@ from asynctp.ops.scaled_gemm import scaled_matmul_reduce_scatter_serial, scaled_
 from asynctp.ops.scales import aligned, check_scaled_matmul_reduce_scatter, column_major, expand_cols, expand_rows
 from asynctp.ops.strategy import eager_call_ok
 from asynctp.runtime import kernel_path
+from asynctp.runtime.graphs import tensor_key
 from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace, resolve_group
 

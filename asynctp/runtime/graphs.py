@@ -21,7 +21,8 @@ Not used: on CPU, inside the caller's own capture, under torch.compile's tracing
 ASYNCTP_GRAPHS=0. A shape with WASTED_PER_SHAPE graphs never replayed (inputs whose addresses recur
 only now and then) is no longer captured, with one warning: a capture costs milliseconds of host
 time. Memory: each graph keeps its intermediates and outputs; at most MAX_GRAPHS (64)
-graphs per workspace, least recently used dropped first; clear() drops them all.
+graphs per workspace, least recently used dropped first; clear() drops them all, and a
+workspace's go when it is closed (asynctp.reset) or collected.
 
 When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
 large matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200,
@@ -43,9 +44,8 @@ from typing import Any
 
 import torch
 
-from asynctp.config import get_config, get_timeout, warn_once
+from asynctp.config import get_config, warn_once
 from asynctp.runtime.lag import Lag
-from asynctp.symm import watchdog
 
 __all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", "GraphCache"]
 
@@ -154,30 +154,28 @@ def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[
     stream = cache.capture_stream()
     stream.wait_stream(caller)
     graph = torch.cuda.CUDAGraph()
-    ws = cache.ws
     with torch.cuda.stream(stream):
         # thread_local: the watchdog thread's event queries must not invalidate the capture
         graph.capture_begin(capture_error_mode="thread_local")
-        ws.own_capture = True  # barriers and signals: the stream operations eager calls use
         try:
-            result = body()
+            with cache.ws.capturing():  # barriers and signals: the stream operations eager calls use
+                result = body()
         except BaseException:
             try:
                 graph.capture_end()
             except Exception:  # noqa: BLE001  (the capture is already invalid)
                 pass
             raise
-        finally:
-            ws.own_capture = False
         graph.capture_end()
     return graph.replay, result
 
 
 class GraphCache:
-    """The captured calls of one workspace (see the module docstring)."""
+    """The captured calls of one workspace (see the module docstring). It holds the workspace
+    weakly: the caches are kept per workspace, and a workspace's goes when it is collected."""
 
     def __init__(self, ws: Any, capture: Callable | None = None, lag: Lag | None = None) -> None:
-        self.ws = ws
+        self._ws = weakref.ref(ws)
         self._capture = capture or _cuda_capture
         self.lag = lag or Lag()
         self._generation = ws.generation
@@ -194,6 +192,10 @@ class GraphCache:
         # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
         # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings)
         self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
+
+    @property
+    def ws(self) -> Any:
+        return self._ws()
 
     def capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -230,9 +232,10 @@ class GraphCache:
     def _count(self) -> int:
         return sum(len(v) for v in self._entries.values())
 
-    def call(self, key: tuple, body: Callable[[], Any]) -> Any:
-        """body()'s result, from a replay where possible. key: everything the call depends on
-        (tensor_key() of each input, scalars, settings)."""
+    def call(self, op: str, key: tuple, body: Callable[[], Any]) -> Any:
+        """body()'s result, from a replay where possible. op: the call's op, named in warnings
+        and by the watchdog; key: everything the call depends on (tensor_key() of each input,
+        scalars, settings)."""
         ws = self.ws
         if ws.generation != self._generation:  # the buffers (and flags) were replaced
             self.clear()
@@ -246,7 +249,7 @@ class GraphCache:
             self._entries.move_to_end(key)
             for entry in entries:
                 if entry.free():
-                    return self._replay(entry)
+                    return self._replay(op, entry)
         elif auto and self._behind.get(key, 0) >= DECIDE_SIGHTINGS:
             self._behind.move_to_end(key)
             return self._eager(body, "gpu-bound")
@@ -277,7 +280,7 @@ class GraphCache:
                 del self._entries[k]
             warn_once(
                 f"graphs-off:{shape}",
-                f"asynctp {key[0]}: {wasted} CUDA graphs of shape {shape[1:]} were never replayed "
+                f"asynctp {op}: {wasted} CUDA graphs of shape {shape[1:]} were never replayed "
                 f"(their inputs did not come back at the same addresses, or more calls had distinct inputs "
                 f"than asynctp.runtime.graphs.MAX_GRAPHS={MAX_GRAPHS}): calls of this shape run eagerly from now on (host-bound at "
                 f"small sizes); keep such inputs in persistent buffers, raise MAX_GRAPHS, or set ASYNCTP_GRAPHS=0",
@@ -288,8 +291,8 @@ class GraphCache:
         except Exception as exc:  # noqa: BLE001
             self._off.add(shape)
             warn_once(
-                f"graphs-failed:{key[0]}",
-                f"asynctp {key[0]}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
+                f"graphs-failed:{op}",
+                f"asynctp {op}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
                 f"calls of this shape run eagerly (host-bound at small sizes); ASYNCTP_GRAPHS=0 skips capture",
             )
             return self._eager(body, "shape off")
@@ -306,20 +309,19 @@ class GraphCache:
                 self._dropped[dropped.shape] = self._dropped.get(dropped.shape, 0) + 1
             if not old:
                 del self._entries[oldest]
-        return self._replay(entry, captured=True)
+        return self._replay(op, entry, captured=True)
 
     def _eager(self, body: Callable[[], Any], reason: str) -> Any:
         self.eager_reasons[reason] += 1
         self.counts["eager"] += 1
         return body()
 
-    def _replay(self, entry: _Entry, captured: bool = False) -> Any:
+    def _replay(self, op: str, entry: _Entry, captured: bool = False) -> Any:
         ws = self.ws
         if ws.lanes.is_cuda:
             ws.lanes.replay(entry.replay)  # ordered after the previous op on ws, as Lanes.fork orders ops
             if ws.uses_stream_ops():
-                ws.pending = watchdog.Pending(ws.op, "the barriers and signals of a CUDA-graph replay", None,
-                                              get_timeout(), abort=True)
+                ws.watch_replay(op)
         else:
             entry.replay()
         if not captured:  # the replay right after the capture is the capturing call's own
@@ -337,28 +339,35 @@ def _strip(value: Any) -> Any:
     return value
 
 
-_holders: weakref.WeakSet = weakref.WeakSet()  # workspaces given a cache (closed ones set ws.graphs = None)
+_caches_by_ws: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # workspace -> its GraphCache
 
 
 def cache_of(ws: Any) -> GraphCache:
-    cache = getattr(ws, "graphs", None)
+    cache = _caches_by_ws.get(ws)
     if cache is None:
-        cache = ws.graphs = GraphCache(ws)
-        _holders.add(ws)
+        cache = _caches_by_ws[ws] = GraphCache(ws)
+        ws.on_close(_forget)
     return cache
 
 
-def call(ws: Any, key: tuple, body: Callable[[], Any]) -> Any:
-    """body() of a pipelined call over ws, through ws's graph cache where usable(ws) (see the
-    module docstring)."""
+def _forget(ws: Any) -> None:
+    """A closed workspace's graphs go with it (asynctp.reset releases their memory at once)."""
+    _caches_by_ws.pop(ws, None)
+
+
+def call(ws: Any, op: str, key: tuple, body: Callable[[], Any]) -> Any:
+    """body() of a pipelined call of `op` over ws, through ws's graph cache where usable(ws) (see
+    the module docstring)."""
     if not usable(ws):
         return body()
-    return cache_of(ws).call(key, body)
+    return cache_of(ws).call(op, key, body)
 
 
 def _caches(ws: Any | None) -> list[GraphCache]:
-    workspaces = [ws] if ws is not None else list(_holders)
-    return [w.graphs for w in workspaces if getattr(w, "graphs", None) is not None]
+    if ws is not None:
+        cache = _caches_by_ws.get(ws)
+        return [] if cache is None else [cache]
+    return list(_caches_by_ws.values())
 
 
 def clear(ws: Any | None = None) -> None:

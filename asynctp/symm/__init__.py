@@ -128,6 +128,10 @@ def lookup(pg: dist.ProcessGroup, device_type: str, create: bool = True) -> Work
         except WorkspaceUnavailable as exc:
             ws = _workspaces[key] = None
             _reasons[key] = str(exc)
+        else:
+            unshared = _unshared.get(key)
+            if unshared is not None and unshared.in_call():
+                ws.op = unshared.op  # made by a call begun without it (cuda): its waits name that call's op
     return ws
 
 

@@ -75,9 +75,13 @@ class Calls:
         else:
             self.signature = UNCHECKED
 
+    def in_call(self) -> bool:
+        """Whether this thread is inside a call begun on this group."""
+        return self._caller == threading.get_ident()
+
     def end_call(self, exc: BaseException | None = None) -> None:
         """Close the call begun last on this thread; an exception marks the group out of step."""
-        if self._caller != threading.get_ident():
+        if not self.in_call():
             return
         self._depth -= 1
         if self._depth > 0:

@@ -35,7 +35,9 @@ resets a flag to 0 once it has seen it (as wait_signal does).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,7 +80,7 @@ class CudaWorkspace(Workspace):
         self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
         self._awaited: dict[int, int] = {}  # own flags a wait was enqueued on: address -> value awaited
-        self.own_capture = False  # set by runtime/graphs.py while it captures a call
+        self.own_capture = False  # inside capturing() (runtime/graphs.py captures a call)
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
         # made now: when the watchdog needs them, this process's streams may all be stuck
@@ -109,6 +111,17 @@ class CudaWorkspace(Workspace):
             why = why or streamops.unavailable_reason()
             warn_once("torch-signal-kernels", f"asynctp: barriers and signals use torch's signal kernels ({why}); each one "
                       "costs more host time and holds an SM while it waits")
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The current stream captures a CUDA graph of asynctp's own (runtime/graphs.py), whose
+        replays are watched (watch_replay): barriers and signals stay the stream memory operations
+        eager calls use."""
+        self.own_capture = True
+        try:
+            yield
+        finally:
+            self.own_capture = False
 
     def uses_stream_ops(self) -> bool:
         """Whether the next barrier/signal is a stream memory operation (see streamops.py)."""
@@ -153,6 +166,12 @@ class CudaWorkspace(Workspace):
             return self._ops is not None and self.own_capture
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
+
+    def watch_replay(self, op: str) -> None:
+        """Tell the watchdog that the GPU now replays a CUDA graph of a call of `op` captured in
+        capturing(): its barriers and signals are watched as one wait, aborted on timeout."""
+        self.pending = watchdog.Pending(op, "the barriers and signals of a CUDA-graph replay", None,
+                                        self._timeout(None), abort=True)
 
     def watch_device_wait(self, what: str, flags: torch.Tensor, value: int = SIGNAL_VALUE) -> None:
         """Tell the watchdog that the GPU now waits until every 32-bit word of `flags` (a device

@@ -205,17 +205,24 @@ class Workspace(Calls, abc.ABC):
         self.world_size = group.size()
         self.device = device
         self.lanes = Lanes(device)
-        self.op = "workspace"  # the op in progress, named in timeout errors
+        self.op = "workspace"  # the op of the call in progress (begin_call), named in timeout errors
         self.nbytes = 0
         self._views: dict[tuple, torch.Tensor] = {}  # get_buffer results, dropped on growth
         self.generation = 0  # bumped when the buffers are replaced (captured graphs go stale)
-        self.graphs: Any = None  # asynctp.runtime.graphs.GraphCache, made on first use
+        self._on_close: list[Callable[[Workspace], None]] = []
         self._init_calls()
+
+    def on_close(self, release: Callable[[Workspace], None]) -> None:
+        """Call release(self) when the workspace is closed: what a layer above keeps per
+        workspace (captured graphs) goes with it."""
+        self._on_close.append(release)
 
     def close(self) -> None:
         """Release the buffers (the workspace is unusable afterwards)."""
         self._views.clear()
-        self.graphs = None
+        releases, self._on_close = self._on_close, []
+        for release in releases:
+            release(self)
 
     # -- buffers ------------------------------------------------------------------------
     @abc.abstractmethod

@@ -2,6 +2,8 @@
 "graph" re-runs the body and copies its result into the outputs made at capture, as a CUDA graph
 writes into its own output memory. The CUDA capture itself is covered by tests/gpu."""
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from asynctp import config
 from asynctp.runtime import graphs, lag as lags
+from asynctp.symm import Workspace
 
 
 def fake_capture(cache, body):
@@ -50,15 +53,22 @@ class FakeLag(lags.Lag):
             e.done = True
 
 
-def make_cache(lag=None):
-    ws = SimpleNamespace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu", op="test")
-    return graphs.GraphCache(ws, capture=fake_capture, lag=lag or FakeLag())
+class FakeWorkspace(SimpleNamespace):
+    """What a cache reads of its workspace (a subclass: a cache holds its workspace weakly)."""
+
+
+WORKSPACES = []  # the fake workspaces of this module's caches, kept alive
+
+
+def make_cache(lag=None, capture=fake_capture):
+    WORKSPACES.append(FakeWorkspace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu"))
+    return graphs.GraphCache(WORKSPACES[-1], capture=capture, lag=lag or FakeLag())
 
 
 def op(cache, x, w):
     """A pipelined call's stand-in: (gathered, [x @ w]), keyed like the real ops."""
     key = ("op", graphs.tensor_key(x), graphs.tensor_key(w))
-    return cache.call(key, lambda: (torch.cat([x, x]), [torch.cat([x, x]) @ w]))
+    return cache.call("op", key, lambda: (torch.cat([x, x]), [torch.cat([x, x]) @ w]))
 
 
 def test_first_call_eager_second_captured_then_replayed_with_the_inputs_current_contents():
@@ -183,8 +193,7 @@ def test_a_failed_capture_warns_and_runs_eagerly():
     def broken(cache, body):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    ws = SimpleNamespace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu", op="test")
-    cache, x, w = graphs.GraphCache(ws, capture=broken, lag=FakeLag()), torch.ones(2, 3), torch.eye(3)
+    cache, x, w = make_cache(capture=broken), torch.ones(2, 3), torch.eye(3)
     op(cache, x, w)
     with pytest.warns(RuntimeWarning, match="capturing the pipelined call into a CUDA graph failed"):
         out = op(cache, x, w)[1][0]
@@ -210,7 +219,7 @@ def test_a_single_tensor_result_round_trips():
     cache, a = make_cache(), torch.arange(6.0).view(2, 3)
     key = ("rs", graphs.tensor_key(a))
     for _ in range(3):
-        out = cache.call(key, lambda: a.sum(0))
+        out = cache.call("rs", key, lambda: a.sum(0))
         assert isinstance(out, torch.Tensor) and torch.equal(out, torch.tensor([3.0, 5.0, 7.0]))
         del out
 
@@ -220,6 +229,28 @@ def test_keys_lose_only_the_addresses():
     key = ("op", graphs.tensor_key(x), 0, (graphs.tensor_key(x), None), "sum")
     assert graphs._strip(key) == ("op", (torch.Size([2, 3]), (3, 1), torch.float32), 0,
                                   ((torch.Size([2, 3]), (3, 1), torch.float32), None), "sum")
+
+
+class BareWorkspace(Workspace):
+    """A workspace without buffers: its lifetime is all these tests use."""
+
+    backend = "cpu"
+    _grow = _raw = barrier = put_signal = wait_signal = None  # never reached
+
+
+def bare_workspace():
+    return BareWorkspace(SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2), torch.device("cpu"))
+
+
+def test_a_workspaces_cache_goes_when_it_is_closed_or_collected():
+    ws = bare_workspace()
+    cache = graphs.cache_of(ws)
+    assert graphs.cache_of(ws) is cache and cache.ws is ws
+    ws.close()  # asynctp.reset: the captured graphs are released at once
+    assert graphs.stats(ws)["graphs"] == 0 and graphs.cache_of(ws) is not cache
+    collected = weakref.ref(graphs.cache_of(bare_workspace()))
+    gc.collect()
+    assert collected() is None
 
 
 def test_disabled_by_the_setting(monkeypatch):
