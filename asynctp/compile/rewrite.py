@@ -53,14 +53,14 @@ def graph_kind(graph: fx.Graph) -> str:
 
 def workspace_problem(group_name: str, device: torch.device | None) -> str | None:
     """Why calls on this group would run the serial fallback (known without communicating)."""
-    from asynctp.symm import _local_reason, resolve_group, unavailable_reason
+    from asynctp.symm import resolve_group, unavailable_reason
 
     try:
         group = resolve_group(group_name)
     except ValueError:
         return f"group {group_name!r} is not a process group of this process"
     device_type = device.type if device is not None else "cpu"
-    reason = _local_reason(group, device_type) or unavailable_reason(group, device_type)
+    reason = unavailable_reason(group, device_type)
     return f"group has no symmetric workspace ({reason})" if reason else None
 
 

@@ -176,8 +176,11 @@ def get_workspace(group: Any, device: torch.device | str) -> Workspace | None:
 
 
 def unavailable_reason(group: Any, device: torch.device | str) -> str | None:
-    """Why the group has no workspace (None if it has one or was never asked for)."""
-    return _reasons.get((resolve_group(group).group_name, torch.device(device).type))
+    """Why the group has, or would have, no workspace, known without communicating: this rank's
+    own reason (a setting, no backend for the device), else the one its creation agreed on; None
+    if neither (it has one, or was never asked for and this rank could join one)."""
+    pg, device_type = resolve_group(group), torch.device(device).type
+    return _local_reason(pg, device_type) or _reasons.get((pg.group_name, device_type))
 
 
 def reserve(group: Any, nbytes: int, device: torch.device | str | None = None) -> None:

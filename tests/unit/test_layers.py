@@ -41,9 +41,7 @@ IMPORTLIB_ALLOWED = {
 # known import-direction violations: (importer, imported package) -> why it is still there
 ALLOWED: dict[tuple[str, str], str] = {}
 # private names imported across layers: (importer, name) -> why it is still there
-PRIVATE_ALLOWED = {
-    ("asynctp/compile/rewrite.py", "_local_reason"): "the graph pass's no-fusion reason; to use symm.unavailable_reason",
-}
+PRIVATE_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _module_files() -> list[Path]:
