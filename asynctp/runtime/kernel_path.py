@@ -210,6 +210,15 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                     out_blk=world * segment or None)
     lanes = ws.lanes
     lanes.fork()
+    # the GEMM first: on an idle GPU it starts on the own rows while the host queues the pushes
+    # (what it waits for later is queued after it, on copy engines and stream writes: no SM)
+    ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    scales = b_scales or [None] * len(bs)
+    sig = (world * blocks, 1, world)
+    a_scale_ws = all_scales if scale_rows is not None else a_scale
+    for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
+        launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
+               b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     with lanes.copy():
         # staging: the own rows into the own slot first (a copy engine; the workspace contract
         # allows local writes before the opening barrier), each block flagged in the own pad
@@ -239,13 +248,6 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
                 gathered[src * m : (src + 1) * m].copy_(all_rows[src * m : (src + 1) * m])
-    ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
-    scales = b_scales or [None] * len(bs)
-    sig = (world * blocks, 1, world)
-    a_scale_ws = all_scales if scale_rows is not None else a_scale
-    for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-        launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
-               b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     lanes.join()
     flags.view(torch.int32).zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs
