@@ -53,7 +53,7 @@ def _rel(path: Path) -> str:
 
 
 def _layer(module: str) -> str:
-    """asynctp.ops.pipeline -> "ops"; asynctp -> ""; asynctp.cli -> "cli"."""
+    """asynctp.runtime.pipeline -> "runtime"; asynctp -> ""; asynctp.cli -> "cli"."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
