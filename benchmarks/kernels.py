@@ -50,22 +50,6 @@ def _host_us(fn, calls: int = 10, repeats: int = 11) -> float:
     return sorted(per_call)[repeats // 2]
 
 
-class _NoCache(dict):
-    def __setitem__(self, key, value) -> None:
-        pass
-
-
-def _host_us_through_jit(fn) -> float:
-    """_host_us with every launch bound by Triton's JIT (the Launcher's cache off)."""
-    from asynctp.kernels import _ag_kernel
-
-    kept, _ag_kernel._launcher._compiled = _ag_kernel._launcher._compiled, _NoCache()
-    try:
-        return _host_us(fn)
-    finally:
-        _ag_kernel._launcher._compiled = kept
-
-
 def _operands(m, n, k, fp8):
     if fp8:
         a = (torch.randn(m, k, device="cuda") * 2).to(FP8)
@@ -104,7 +88,6 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
             sqnr = 10 * torch.log10(ref.double().pow(2).mean() / (out.double() - ref.double()).pow(2).mean())
             row["sqnr_db"] = float(sqnr)
             row["launch_host_us"] = _host_us(plain)
-            row["launch_host_jit_us"] = _host_us_through_jit(plain)
             timed.update({("no_wait_us", i): plain, ("waits_us", i): waits,
                           ("fused_ag_us", i): _fused_ag(a, b, sa, sb, out, world, cfg)})
             if sa is None:  # in place: the own rows read from their own tensor
@@ -250,7 +233,7 @@ def main(argv=None) -> None:
     print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'nowait':>7} {'waits':>7} {'fusedAG':>8} {'inplace':>8} ratio")
     for r in result["gemm"]:
         if "launch_host_us" in r:
-            print(f"host us per launch: {r['launch_host_us']:.1f} (through the JIT: {r['launch_host_jit_us']:.1f})")
+            print(f"host us per launch: {r['launch_host_us']:.1f}")
             break
     for r in result["gemm"]:
         c = r["config"]

@@ -8,7 +8,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels.configs import Config, split_parts
-from asynctp.kernels.triton_util import Launcher, pointer_key
+from asynctp.kernels.triton_util import pointer_key
 
 @triton.jit
 def _spin(flag_ptr):
@@ -83,7 +83,7 @@ def _fixup(acc, part_ptr, cnt_ptr, slot, part, SPLIT: tl.constexpr, BM: tl.const
     return acc, last
 
 
-@triton.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])
+@triton.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
 def _ag_mm_kernel(
     a_desc, b_desc, c_desc, a_ptr, a_local_ptr, stride_am,
     sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, tcnt_ptr,
@@ -201,7 +201,6 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
-_launcher = Launcher(_ag_mm_kernel)
 _plans: dict[tuple, tuple] = {}
 
 
@@ -259,5 +258,4 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
             a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
             bias if bias is not None else dummy, parts, tail_counters,
             *ints, pivot, *ints_after_pivot, sig_src, sig_blk, *outs)
-    # pivot, sig_src and sig_blk vary per call without entering the key: never specialized
-    _launcher(key, grid, args, constexprs, cfg.warps, cfg.stages)
+    _ag_mm_kernel[grid](*args, **constexprs, num_warps=cfg.warps, num_stages=cfg.stages)

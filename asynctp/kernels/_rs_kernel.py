@@ -11,7 +11,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _tile
 from asynctp.kernels.configs import Config
-from asynctp.kernels.triton_util import Launcher, pointer_key
 
 
 @triton.jit
@@ -75,9 +74,6 @@ def _rs_mm_kernel(
                     tl.atomic_xchg(sig_ptr + src * sig_src + j * sig_blk, 0, sem="release", scope="sys")
 
 
-_launcher = Launcher(_rs_mm_kernel)
-
-
 @functools.cache
 def _items(items_host: tuple, device: torch.device) -> torch.Tensor:
     return torch.tensor(items_host, dtype=torch.int32, device=device)
@@ -109,8 +105,5 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     constexprs = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
                       A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
                       AVG=reduce_op == "avg", FLATTEN=False)  # the reduction loops defeat Triton's loop fusion
-    key = (cfg, tuple(a.shape), a.stride(0), tuple(b.shape), tuple(b.stride()), tuple(received.shape), args[11:],
-           tuple(constexprs.values()), pointer_key(a, b, received, partials, out, items, signals, counters, a_scale,
-                                                   b_scale, bias))
-    _launcher(key, grid, args, constexprs, cfg.warps, cfg.stages)
+    _rs_mm_kernel[grid](*args, **constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
     return tiles

@@ -41,7 +41,6 @@ _GATHER_SPLITS = 4  # blocks of a rank's rows in the all-gather (front order)
 _MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
 # per workspace (asynctp.reset makes a new one, and with it zeroed counters)
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per workspace: problem -> _serves's answer
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -125,18 +124,7 @@ def _scatter_blocks(m: int, segment: int) -> tuple[int, int]:
 
 def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
     """Why the GEMM cannot serve a problem of a ([rows, K] operand), m_total x n cut into
-    `blocks` blocks of `rows` rows per rank (None: it can). Tunes the problem's tile on first use;
-    the answer is kept per workspace (only whether a graph capture is running is asked anew)."""
-    if ws.device.type == "cuda" and not ws.uses_stream_ops():
-        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
-    known = _served.setdefault(ws, {})
-    key = (a.dtype, m_total, n, a.shape[1], a.stride(1), blocks, rows)
-    if key not in known:
-        known[key] = _check_serves(ws, a, m_total, n, blocks, rows)
-    return known[key]
-
-
-def _check_serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
+    `blocks` blocks of `rows` rows per rank (None: it can). Tunes the problem's tile on first use."""
     why = _ready(ws, a.dtype)
     if why:
         return why
@@ -210,15 +198,6 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                     out_blk=world * segment or None)
     lanes = ws.lanes
     lanes.fork()
-    # the GEMM first: on an idle GPU it starts on the own rows while the host queues the pushes
-    # (what it waits for later is queued after it, on copy engines and stream writes: no SM)
-    ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
-    scales = b_scales or [None] * len(bs)
-    sig = (world * blocks, 1, world)
-    a_scale_ws = all_scales if scale_rows is not None else a_scale
-    for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-        launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
-               b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     with lanes.copy():
         # staging: the own rows into the own slot first (a copy engine; the workspace contract
         # allows local writes before the opening barrier), each block flagged in the own pad
@@ -248,6 +227,13 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
                 gathered[src * m : (src + 1) * m].copy_(all_rows[src * m : (src + 1) * m])
+    ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    scales = b_scales or [None] * len(bs)
+    sig = (world * blocks, 1, world)
+    a_scale_ws = all_scales if scale_rows is not None else a_scale
+    for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
+        launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
+               b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     lanes.join()
     flags.view(torch.int32).zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs

@@ -100,22 +100,18 @@ def test_split_last_wave(m):
     assert all(counters.count_nonzero() == 0 for _, counters in _ag_kernel._tail_state.values())
 
 
-def test_later_launches_skip_the_jit():
-    """The first launch of a problem goes through Triton's JIT, later ones (other pivots, other
-    operands of the same shape) call the compiled kernel directly, with the same results."""
-    from asynctp.kernels import _ag_kernel
-
+def test_repeated_launches_of_one_problem():
+    """Later launches of a problem reuse its launch plan (grid, split, integer arguments): other
+    pivots and other operands of the same shape give the right products."""
     a = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(640, 512, device="cuda", dtype=torch.bfloat16).t()
     first = async_input_mm(a, b, _flags(4), 0)
-    compiled = len(_ag_kernel._launcher._compiled)
     for pivot in (1, 2, 3, 0):
         a2 = torch.randn_like(a)
         want = a2.double() @ b.double()
         got = async_input_mm(a2, b, _flags(4), pivot)
         assert (got.double() - want).norm() / want.norm() < 1e-2
     assert torch.equal(async_input_mm(a, b, _flags(4), 0), first)
-    assert len(_ag_kernel._launcher._compiled) == compiled
 
 
 @pytest.mark.parametrize("pivot", [0, 1, 2, 3])
