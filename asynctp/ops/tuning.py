@@ -106,7 +106,7 @@ def pick(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
 
 # ops whose single-launch GEMM measured at least as fast as the decomposition at the seed
 # shapes (2xH100, docs/performance.md): unmeasured shapes start there. Not the fp8 reduce-scatter
-# (its partials' push takes as long as its GEMM: fused 318-522 us against 133-437 pipelined)
+# (its partials' push takes as long as its GEMM: fused 388-486 us against 133-434 pipelined, 2xH100)
 _FUSED_FIRST = ("matmul_reduce_scatter",)
 
 
