@@ -130,3 +130,11 @@ class RankPool:
                 p.join(timeout=5)
         if os.path.exists(self._store_path):
             os.unlink(self._store_path)
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a script this repository runs in a subprocess (benchmarks/*.py, the
+    interpreter check): the checkout's asynctp first on the path, wherever asynctp is installed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}

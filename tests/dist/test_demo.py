@@ -149,7 +149,9 @@ def test_train_bench_runs_at_toy_size(tmp_path):
 
     cmd = [sys.executable, "benchmarks/train_bench.py", "--cpu", "--steps", "2", "--sync-every", "1",
            "--batch-sizes", "2", "--configs", "eager", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    from tests.multiprocess import script_env
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=script_env())
     assert done.returncode == 0, done.stderr[-3000:]
     table = done.stdout[done.stdout.rindex("config"):]
     assert "vanilla TP, no communication" in table and "asynctp" in table, table

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.multiprocess import script_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -13,7 +15,7 @@ def test_short_soak(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--calls", "150", "--fault-rate", "0.06",
            "--timeout", "0.5", "--deadline", "90", "--seed", "3", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=script_env())
     assert out.exists(), proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert sum(result["faults_injected"].values()) > 0, result

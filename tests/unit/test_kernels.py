@@ -91,8 +91,9 @@ def test_producer_reference_is_the_reduce_scatter():
 def test_kernels_in_triton_interpreter():
     """The Triton kernels themselves, run by TRITON_INTERPRET=1 in a fresh process."""
     script = os.path.join(os.path.dirname(__file__), "_kernels_interpreted.py")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    from tests.multiprocess import script_env
+
+    env = script_env(TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     if "numpy" in res.stderr and "0-dimensional" in res.stderr:
         pytest.skip("this Triton's interpreter does not run with this numpy")
