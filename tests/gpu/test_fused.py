@@ -22,3 +22,8 @@ def test_fused_scaled_reduce_scatter_exact(pool):
 
 def test_fused_scaled_all_gather_exact(pool):
     assert pool.run(cases_fused.fused_scaled_all_gather_exact)[0] == 8
+
+
+def test_fused_graph_replays(pool):
+    counts = pool.run(cases_fused.fused_graph_replays)
+    assert all(c["replayed"] >= 6 for c in counts), counts
