@@ -8,7 +8,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels.configs import Config, split_parts
-from asynctp.kernels.triton_util import pointer_key
 
 @triton.jit
 def _spin(flag_ptr):
@@ -201,16 +200,22 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
-_plans: dict[tuple, tuple] = {}
-
-
-def _plan(a, b, b_trans, out, n, chunk_rows, cmap, a_scale, b_scale, bias, cfg: Config, num_sms: int, waits: bool,
-          reset: bool, local: bool) -> tuple:
-    """(grid, split, tail, the kernel's integer arguments, its constexprs) of a problem."""
+def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
+           bias, cfg: Config, num_sms: int, a_local=None) -> None:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_total, k = n * chunk_rows, a.shape[1]
     nn_ = out.shape[1]
     aligned = chunk_rows % bm == 0
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
+    if a_local is not None:
+        if not aligned or a_local.stride(0) != a.stride(0):
+            raise ValueError(f"async_input_mm: a_local requires chunks of a multiple of {bm} rows and a's row "
+                             f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
+        if a.is_cuda:
+            triton.set_allocator(_scratch)
+    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
+                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
+    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
     rows_per_src = chunk_rows * cmap.blocks
     out_src = rows_per_src if cmap.out_src is None else cmap.out_src
     out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
@@ -218,44 +223,18 @@ def _plan(a, b, b_trans, out, n, chunk_rows, cmap, a_scale, b_scale, bias, cfg: 
     split = split_parts(tiles, num_sms, triton.cdiv(k, bk)) if cfg.split else 1
     tail = tiles % num_sms if split > 1 else 0
     grid = (max(1, min(num_sms, tiles - tail + tail * split)),)
-    ints = (m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks)
-    ints_after_pivot = (cmap.local_src,)
-    outs = (out_src, out_blk, tiles - tail)
-    constexprs = dict(SPLIT=split, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], ALIGNED=aligned,
-                      WAIT=waits, RESET=reset, LOCAL=local, B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale),
-                      B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None, FLATTEN=cfg.flatten)
-    return grid, split, tail, ints, ints_after_pivot, outs, constexprs
-
-
-def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
-           bias, cfg: Config, num_sms: int, a_local=None) -> None:
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    k, nn_ = a.shape[1], out.shape[1]
-    m_total = n * chunk_rows
-    if a_local is not None:
-        if chunk_rows % bm or a_local.stride(0) != a.stride(0):
-            raise ValueError(f"async_input_mm: a_local requires chunks of a multiple of {bm} rows and a's row "
-                             f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
-        if a.is_cuda:
-            triton.set_allocator(_scratch)
-    key = (cfg, b_trans, n, chunk_rows, cmap, num_sms, tuple(a.shape), a.stride(0), tuple(b.shape), tuple(b.stride()),
-           tuple(out.shape), out.stride(0), None if a_scale is None else a_scale.numel(),
-           None if b_scale is None else b_scale.numel(),
-           pointer_key(a, b, out, signals, counters, a_scale, b_scale, bias, a_local))
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _plan(a, b, b_trans, out, n, chunk_rows, cmap, a_scale, b_scale, bias, cfg, num_sms,
-                                   signals is not None, counters is not None, a_local is not None)
-    grid, split, tail, ints, ints_after_pivot, outs, constexprs = plan
-    a_desc = TensorDescriptor(a, [a.shape[0], k], [a.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
-                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
-    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
     dummy = out
     parts, tail_counters = tail_scratch(out.device, tail, split, bm, bn) if split > 1 else (dummy, dummy)
-    args = (a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
-            signals if signals is not None else dummy, counters if counters is not None else dummy,
-            a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
-            bias if bias is not None else dummy, parts, tail_counters,
-            *ints, pivot, *ints_after_pivot, sig_src, sig_blk, *outs)
-    _ag_mm_kernel[grid](*args, **constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
+    _ag_mm_kernel[grid](
+        a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
+        signals if signals is not None else dummy, counters if counters is not None else dummy,
+        a_scale if a_scale is not None else dummy,
+        b_scale if b_scale is not None else dummy, bias if bias is not None else dummy, parts, tail_counters,
+        m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
+        sig_src, sig_blk, out_src, out_blk, tiles - tail,
+        SPLIT=split, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
+        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
+        B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
+        HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )

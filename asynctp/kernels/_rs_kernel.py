@@ -98,12 +98,14 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     tiles = (br // bm) * triton.cdiv(n, bn)
     grid = (max(1, min(num_sms, num_items * tiles)),)
     dummy = out
-    args = (a_desc, b_desc, recv_desc, partials, out, items, signals, counters,
-            a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
-            bias if bias is not None else dummy,
-            n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items)
-    constexprs = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
-                      A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
-                      AVG=reduce_op == "avg", FLATTEN=False)  # the reduction loops defeat Triton's loop fusion
-    _rs_mm_kernel[grid](*args, **constexprs, num_warps=cfg.warps, num_stages=cfg.stages)
+    _rs_mm_kernel[grid](
+        a_desc, b_desc, recv_desc, partials, out, items, signals, counters,
+        a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
+        bias if bias is not None else dummy,
+        n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
+        A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
+        AVG=reduce_op == "avg", FLATTEN=False,  # the reduction loops defeat Triton's loop fusion
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
     return tiles

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-__all__ = ["sm_count", "triton_available", "RawPointer", "pointer_key"]
+__all__ = ["sm_count", "triton_available", "RawPointer"]
 
 
 @functools.cache
@@ -36,8 +36,3 @@ class RawPointer:
 
     def data_ptr(self) -> int:
         return self.address
-
-
-def pointer_key(*tensors) -> tuple:
-    """What Triton specializes on in (possibly None) pointer arguments: dtype and 16-byte alignment."""
-    return tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors)

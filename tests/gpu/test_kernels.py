@@ -101,8 +101,8 @@ def test_split_last_wave(m):
 
 
 def test_repeated_launches_of_one_problem():
-    """Later launches of a problem reuse its launch plan (grid, split, integer arguments): other
-    pivots and other operands of the same shape give the right products."""
+    """Later launches of a problem (one compile: the pivot is not specialized on): other pivots
+    and other operands of the same shape give the right products."""
     a = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(640, 512, device="cuda", dtype=torch.bfloat16).t()
     first = async_input_mm(a, b, _flags(4), 0)
