@@ -92,7 +92,7 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
                           ("fused_ag_us", i): _fused_ag(a, b, sa, sb, out, world, cfg)})
             if sa is None:  # in place: the own rows read from their own tensor
                 timed[("fused_ag_in_place_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True)
-            for name in ("waits_us", "fused_ag_us", "fused_ag_in_place_us"):
+            for name in ("waits_us", "fused_ag_us", "fused_ag_in_place_us"):  # compiled here, inside the try
                 if (name, i) in timed:
                     timed[(name, i)]()
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
         for label, m, n, k in SHAPES:
             if args.shapes not in label:
                 continue
-            picked = [c for c in configs or [] if (c.block_k == 128) == fp8]
+            picked = [c for c in configs or [] if (c.block_k == 128) == fp8]  # the table's fp8 tiles have BK 128
             result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick, configs=picked or None)
             if not args.no_producer and ("RS" in label or "w2" in label):
                 result["producer"].append(bench_producer(label, m, n, k, fp8))

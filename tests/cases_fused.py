@@ -4,6 +4,9 @@ equal the serial reference bit for bit (atol=0) where no cross-rank reduction is
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -11,6 +14,30 @@ import asynctp
 from tests.cases import ints, world
 
 BF16 = torch.bfloat16
+
+
+@contextlib.contextmanager
+def kernel_path_calls() -> Iterator[list[str]]:
+    """Inside the block, every call of runtime/kernel_path.py's gather_matmul / matmul_scatter
+    appends its name to the list (the single-launch path served a call)."""
+    from asynctp.runtime import kernel_path
+
+    calls: list[str] = []
+    originals = {name: getattr(kernel_path, name) for name in ("gather_matmul", "matmul_scatter")}
+
+    def counting(name, fn):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return run
+
+    for name, fn in originals.items():
+        setattr(kernel_path, name, counting(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(kernel_path, name, fn)
 
 
 def fused_all_gather_exact() -> int:
@@ -111,21 +138,11 @@ def fused_scaled_all_gather_exact() -> int:
     in place) and rowwise (rows and scales staged, scales pushed with the rows), powers-of-two
     scales, entries in {-1, 0, 1}: fp32 sums are exact, both paths round once, fused equals
     serial bit for bit; two weights, with and without the gathered rows; the GEMM must run."""
-    from asynctp.runtime import kernel_path
-
     rank, ws = world()
     g = dist.group.WORLD
     f8 = torch.float8_e4m3fn
-    launched = []
-    original = kernel_path.gather_matmul
-
-    def counting(*args, **kwargs):
-        launched.append(1)
-        return original(*args, **kwargs)
-
-    kernel_path.gather_matmul = counting
     checked = 0
-    try:
+    with kernel_path_calls() as launched:
         for shape, dim in (((1024, 256), 0), ((2, 512, 256), 1)):
             a = ints(shape, 40 + rank, torch.float32, "cuda", low=-1, high=2).to(f8)
             ws_ = [ints((n, 256), 41 + n, torch.float32, "cuda", low=-1, high=2).to(f8) for n in (384, 256)]
@@ -146,8 +163,6 @@ def fused_scaled_all_gather_exact() -> int:
                     for o, w in zip(got, want):
                         assert torch.equal(o, w), (shape, a_scale.numel(), (o.double() - w.double()).abs().max())
                     checked += 1
-    finally:
-        kernel_path.gather_matmul = original
     return checked
 
 
@@ -156,7 +171,7 @@ def fused_graph_replays() -> dict:
     replayed: inputs at fixed addresses, changed in place between calls, are read anew; every
     result equals serial bit for bit (small integers); the kernel path served the captures.
     Returns the graph cache's counts."""
-    from asynctp.runtime import graphs, kernel_path
+    from asynctp.runtime import graphs
 
     rank, ws = world()
     g = dist.group.WORLD
@@ -164,33 +179,20 @@ def fused_graph_replays() -> dict:
     b_ag = ints((256, 384), 3, BF16, "cuda")
     a_rs = torch.empty((512 * ws, 256), dtype=BF16, device="cuda")
     b_rs = ints((256, 320), 4, BF16, "cuda")
-    served = []
-    originals = kernel_path.gather_matmul, kernel_path.matmul_scatter
-
-    def counting(fn):
-        def run(*args, **kwargs):
-            served.append(fn.__name__)
-            return fn(*args, **kwargs)
-        return run
-
-    kernel_path.gather_matmul, kernel_path.matmul_scatter = map(counting, originals)
     workspace = asynctp.get_workspace(g, "cuda")
-    try:
-        with asynctp.config.override(graphs="1"):
-            before = graphs.stats(workspace)
-            for i in range(6):
-                a_ag.copy_(ints(a_ag.shape, 50 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
-                a_rs.copy_(ints(a_rs.shape, 51 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
-                got_a, (got,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="fused")
-                want_a, (want,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="serial")
-                assert torch.equal(got_a, want_a) and torch.equal(got, want), ("all-gather", i)
-                got = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="fused")
-                want = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="serial")
-                assert torch.equal(got, want), ("reduce-scatter", i, (got.double() - want.double()).abs().max())
-                del got_a, got  # the outputs let go: the next call may replay into them
-            after = graphs.stats(workspace)
-    finally:
-        kernel_path.gather_matmul, kernel_path.matmul_scatter = originals
+    with kernel_path_calls() as served, asynctp.config.override(graphs="1"):
+        before = graphs.stats(workspace)
+        for i in range(6):
+            a_ag.copy_(ints(a_ag.shape, 50 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
+            a_rs.copy_(ints(a_rs.shape, 51 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
+            got_a, (got,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="fused")
+            want_a, (want,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="serial")
+            assert torch.equal(got_a, want_a) and torch.equal(got, want), ("all-gather", i)
+            got = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="fused")
+            want = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="serial")
+            assert torch.equal(got, want), ("reduce-scatter", i, (got.double() - want.double()).abs().max())
+            del got_a, got  # the outputs let go: the next call may replay into them
+        after = graphs.stats(workspace)
     counts = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
     assert {"gather_matmul", "matmul_scatter"} <= set(served), served
     assert counts["captured"] >= 2 and counts["replayed"] >= 6, counts  # per op: eager, capture, replays
