@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run: tests, then benchmarks, everything under $OUT/run.tgz (plus the logs' tails on
+# The GPU run: tests, then benchmarks; logs under $OUT/logs, result files under $OUT/results (plus the logs' tails on
 # stdout). STEPS picks and orders the steps; each step has its own time limit.
 #   STEPS="kernels ops bench" bash benchmarks/gpu_run.sh
 # Tests run with a per-test limit (pytest-timeout), so one stuck test cannot hide the others'
@@ -9,7 +9,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 W=/tmp/asynctp-run; R=$W/results; mkdir -p $R
 export ASYNCTP_TUNING_CACHE=$W/tuning.json ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
 PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
-step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; }
+# each step's log and the results so far go to $OUT as the step ends: a run cut off by its
+# limit still returns what finished
+step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; mkdir -p $OUT/logs $OUT/results; cp "$W/$name.log" $OUT/logs/; cp -r $R/. $OUT/results/ 2>/dev/null; }
 for s in ${STEPS:-kernels ops bench}; do
   case $s in
     kernels) step 200 test_kernels $PYT tests/gpu/test_kernels.py ;;
@@ -18,6 +20,8 @@ for s in ${STEPS:-kernels ops bench}; do
     fused) step 200 test_fused $PYT tests/gpu/test_fused.py ;;
     gpu) step ${GPU_LIMIT:-500} test_gpu $PYT tests/gpu ;;
     checks) step 120 bench_checks python3 -m asynctp.cli bench --checks --out $R ;;
+    hostprof) for s2 in "all_gather_matmul fused" "matmul_reduce_scatter fused" "all_gather_matmul pipeline"; do
+             set -- $s2; step 150 hostprof_$1_$2 python3 benchmarks/host_profile.py $R --op $1 --strategy $2 ${HOSTPROF_ARGS:-}; done ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ;;
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
@@ -25,4 +29,4 @@ for s in ${STEPS:-kernels ops bench}; do
              step ${BENCH_LIMIT:-200} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
   esac
 done
-tar czf $OUT/run.tgz -C $W . ; ls -la $OUT
+cp $W/*.json $OUT/ 2>/dev/null; ls -la $OUT

@@ -77,6 +77,8 @@ class CudaWorkspace(Workspace):
         self._handle = None
         self._bufs: list[torch.Tensor] = []
         self.pending: watchdog.Pending | None = None  # the last wait enqueued (see watchdog.py)
+        self.gate: watchdog.Pending | None = None  # the last opening barrier, until the GPU passed it
+        self._gate_passed: torch.cuda.Event | None = None
         self._ops: streamops.StreamOps | None = None  # set by _grow when the flags fit
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
         self._awaited: dict[int, int] = {}  # own flags a wait was enqueued on: address -> value awaited
@@ -230,6 +232,13 @@ class CudaWorkspace(Workspace):
         for peer in range(self.world_size):
             if peer != rank:
                 self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer), value)
+        if channel == 0 and not torch.cuda.is_current_stream_capturing():
+            # the watchdog names this barrier, not a later wait, while the GPU has not passed it
+            if self._gate_passed is None:
+                self._gate_passed = torch.cuda.Event()
+            self._gate_passed.record(torch.cuda.current_stream(self.device))
+            self.pending.passed = self._gate_passed
+            self.gate = self.pending
 
     def _fields(self) -> str:
         _, names, values = self.call

@@ -35,12 +35,13 @@ log = logging.getLogger("asynctp")
 class Pending:
     """One wait in flight: set by the workspace when it enqueues the wait."""
 
-    __slots__ = ("op", "what", "peer", "issued", "timeout", "abort")
+    __slots__ = ("op", "what", "peer", "issued", "timeout", "abort", "passed")
 
     def __init__(self, op: str, what: str, peer: int | None, timeout: float, abort: bool = False) -> None:
         self.op, self.what, self.peer, self.timeout = op, what, peer, timeout
         self.abort = abort  # the wait has no timeout of its own: the watchdog aborts the context
         self.issued = time.monotonic()
+        self.passed = None  # a gate's: an event (query()) recorded on the stream right after the wait
 
 
 _watched: weakref.WeakSet = weakref.WeakSet()
@@ -60,11 +61,38 @@ def watch(ws: Any) -> None:
             _thread.start()
 
 
+def _gate(ws: Any) -> Any:
+    """ws's opening barrier (`ws.gate`, a Pending with `passed`) while the GPU has not passed it:
+    later waits of the call are enqueued behind it, so a stuck call is stuck there first."""
+    g = getattr(ws, "gate", None)
+    if g is None:
+        return None
+    try:
+        passed = g.passed.query()
+    except Exception:  # noqa: BLE001  (after a device trap the context is gone: it never passed)
+        passed = False
+    if passed:
+        ws.gate = None
+        return None
+    return g
+
+
+def _forget(ws: Any, p: Any) -> None:
+    """Drop the call's waits once `p` (its last wait, or its gate) is settled or reported."""
+    if ws.pending is p or getattr(ws, "gate", None) is p:
+        ws.pending = None
+        if hasattr(ws, "gate"):
+            ws.gate = None
+
+
 def check(ws: Any, now: float | None = None) -> str | None:
-    """The message for ws's stuck wait, if it has one (and forget that wait); None otherwise."""
+    """The message for ws's stuck wait, if it has one (and forget that wait); None otherwise.
+    The stuck wait is the call's opening barrier while the GPU has not passed it (ws.gate),
+    else the last wait enqueued (ws.pending)."""
     p = ws.pending
     if p is None:
         return None
+    p = _gate(ws) or p
     lanes = ws.lanes
     if getattr(lanes, "started", 0) != getattr(lanes, "joined", 0):
         # the host is still queuing the op that enqueued the wait (or is blocked in it: on
@@ -74,8 +102,7 @@ def check(ws: Any, now: float | None = None) -> str | None:
     else:
         done = lanes._done
         if done is None:  # the last op was captured into a CUDA graph: nothing to go by, drop it
-            if ws.pending is p:
-                ws.pending = None
+            _forget(ws, p)
             return None
         try:
             finished = done.query()
@@ -83,13 +110,11 @@ def check(ws: Any, now: float | None = None) -> str | None:
             finished = False
     now = time.monotonic() if now is None else now
     if finished and now - p.issued > 1.0:  # the op (or a later one) completed: nothing stuck
-        if ws.pending is p:
-            ws.pending = None
+        _forget(ws, p)
         return None
     if now - p.issued <= p.timeout:
         return None
-    if ws.pending is p:
-        ws.pending = None
+    _forget(ws, p)
     source = f"from rank {p.peer}" if p.peer is not None else "from every rank of the group"
     hint = f"is rank {p.peer} alive" if p.peer is not None else "are all ranks alive"
     message = (
@@ -107,6 +132,7 @@ def report(ws: Any, now: float | None = None) -> str | None:
     (logging first let one that started in between return when the released waits finished
     before the abort's assert was even launched)."""
     p = ws.pending
+    p = (_gate(ws) or p) if p is not None else None
     message = check(ws, now)
     if message is not None:
         try:

@@ -79,6 +79,31 @@ def test_a_stuck_kernel_wait_is_only_logged():
     assert "barrier channel 0" in watchdog.report(ws, now=p.issued + 2.0)
 
 
+def test_an_unpassed_opening_barrier_is_named_before_later_waits():
+    # ranks that disagree never pass the opening barrier: the signal waits queued behind it are
+    # not what is stuck
+    gate = watchdog.Pending("all_gather_matmul", "barrier channel 0 with the signature 0x1234abcd", None,
+                            timeout=1.0, abort=True)
+    gate.passed = FakeEvent(False)
+    later = watchdog.Pending("all_gather_matmul", "signal channel 2", 1, timeout=1.0, abort=True)
+    ws = fake_ws(False, later)
+    ws.gate = gate
+    ws.abort_device = lambda: None
+    message = watchdog.report(ws, now=gate.issued + 2.0)
+    assert "barrier channel 0 with the signature 0x1234abcd from every rank" in message, message
+    assert ws.pending is None and ws.gate is None
+
+
+def test_a_passed_opening_barrier_leaves_the_last_wait_named():
+    gate = watchdog.Pending("all_gather_matmul", "barrier channel 0", None, timeout=1.0)
+    gate.passed = FakeEvent(True)
+    later = watchdog.Pending("all_gather_matmul", "signal channel 2", 1, timeout=1.0)
+    ws = fake_ws(False, later)
+    ws.gate = gate
+    assert "signal channel 2 from rank 1" in watchdog.check(ws, now=later.issued + 2.0)
+    assert ws.gate is None
+
+
 @pytest.mark.parametrize("done", [FakeEvent(True), None], ids=["previous-op-finished", "after-a-capture"])
 def test_a_wait_of_an_op_still_being_queued_is_named(done):
     # the host blocked inside the op after the wait (4xH200: a launch after a wait for a peer
