@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The GPU run: tests, then benchmarks; logs under $OUT/logs, result files under $OUT/results (plus the logs' tails on
+# The GPU run: tests, then benchmarks; logs and result files in $OUT/run.tgz (plus the logs' tails on
 # stdout). STEPS picks and orders the steps; each step has its own time limit.
 #   STEPS="kernels ops bench" bash benchmarks/gpu_run.sh
 # Tests run with a per-test limit (pytest-timeout), so one stuck test cannot hide the others'
 # results behind the step's limit.
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 W=/tmp/asynctp-run; R=$W/results; mkdir -p $R
+# results are named by the cards that produced them (2xH100, 2xH200, ...) unless HW says otherwise
+HW=${HW:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[A-Z][0-9]+/) {g = $i}} END {print NR "x" g}')}
 export ASYNCTP_TUNING_CACHE=$W/tuning.json ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
 PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
-# each step's log and the results so far go to $OUT as the step ends: a run cut off by its
-# limit still returns what finished
-step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; mkdir -p $OUT/logs $OUT/results; cp "$W/$name.log" $OUT/logs/; cp -r $R/. $OUT/results/ 2>/dev/null; }
+# the archive is rewritten as each step ends: a run cut off by its limit still returns what
+# finished (one file: the device returns a limited number of files)
+step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout -s ABRT -k 15 "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; tar czf $OUT/run.tgz -C $W . ; }
 for s in ${STEPS:-kernels ops bench}; do
   case $s in
     kernels) step 200 test_kernels $PYT tests/gpu/test_kernels.py ;;
@@ -20,13 +22,14 @@ for s in ${STEPS:-kernels ops bench}; do
     fused) step 200 test_fused $PYT tests/gpu/test_fused.py ;;
     gpu) step ${GPU_LIMIT:-500} test_gpu $PYT tests/gpu ;;
     checks) step 120 bench_checks python3 -m asynctp.cli bench --checks --out $R ;;
-    hostprof) for s2 in "all_gather_matmul fused" "matmul_reduce_scatter fused" "all_gather_matmul pipeline"; do
-             set -- $s2; step 150 hostprof_$1_$2 python3 benchmarks/host_profile.py $R --op $1 --strategy $2 ${HOSTPROF_ARGS:-}; done ;;
+    hostprof) for s2 in ${HOSTPROF:-all_gather_matmul:fused:0 all_gather_matmul:fused:1 matmul_reduce_scatter:fused:0}; do
+             IFS=: read -r o st g <<< "$s2"
+             step 150 hostprof_${o}_${st}_$g python3 benchmarks/host_profile.py $R --op $o --strategy $st --graphs $g; done ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ;;
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
-             step ${BENCH_LIMIT:-200} bench_$op python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
+             step ${BENCH_LIMIT:-200} bench_${op}_${SHAPES:-seed} python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
   esac
 done
-cp $W/*.json $OUT/ 2>/dev/null; ls -la $OUT
+ls -la $OUT

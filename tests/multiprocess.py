@@ -128,6 +128,10 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        # a queue whose reader is gone would make this process's exit wait for its feeder thread
+        for q in (*self._tasks, self._results):
+            q.cancel_join_thread()
+            q.close()
         if os.path.exists(self._store_path):
             os.unlink(self._store_path)
 

@@ -41,6 +41,7 @@ _GATHER_SPLITS = 4  # blocks of a rank's rows in the all-gather (front order)
 _MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
 # per workspace (asynctp.reset makes a new one, and with it zeroed counters)
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_readiness: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {dtype: why not, or None}
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -84,6 +85,19 @@ def _not_now(cfg: Config) -> float:
 
 
 def _ready(ws, dtype: torch.dtype) -> str | None:
+    """Why the GEMM cannot run on ws's device for operands of `dtype` (None: it can); kept per
+    workspace and dtype (asked at every call), except the stream-operation check (a capture may
+    be under way)."""
+    per_ws = _readiness.setdefault(ws, {})
+    why = per_ws.get(dtype, False)
+    if why is False:
+        why = per_ws[dtype] = _device_ready(ws, dtype)
+    if why is None and not ws.uses_stream_ops():
+        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
+    return why
+
+
+def _device_ready(ws, dtype: torch.dtype) -> str | None:
     if ws.device.type != "cuda":
         return "the single-launch GEMM runs on CUDA"
     if dtype not in _DTYPES:
@@ -92,8 +106,6 @@ def _ready(ws, dtype: torch.dtype) -> str | None:
         return "Triton is not installed"
     if torch.cuda.get_device_capability(ws.device) < (9, 0):
         return "the single-launch GEMM needs TMA (sm_90 or newer)"
-    if not ws.uses_stream_ops():
-        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
     return None
 
 
@@ -197,7 +209,7 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     cmap = ChunkMap(blocks=blocks, local_src=rank if in_place else -1, out_src=segment or None,
                     out_blk=world * segment or None)
     lanes = ws.lanes
-    lanes.fork()
+    lanes.fork(side=False)
     with lanes.copy():
         # staging: the own rows into the own slot first (a copy engine; the workspace contract
         # allows local writes before the opening barrier), each block flagged in the own pad
@@ -264,7 +276,7 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     out = a_2d.new_empty((m, n), dtype=out_dtype)
     partials = a_2d.new_empty((max(1, world - 1), m, n), dtype=out_dtype)
     lanes = ws.lanes
-    lanes.fork()
+    lanes.fork(side=False)
     with lanes.copy():
         ws.barrier(channel=0)
     ws.watch_device_wait(f"the partials of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)

@@ -121,13 +121,18 @@ class Lanes:
                 self.side_stream = torch.cuda.Stream()
             self._copy = _Switch(self, self.copy_stream)
             self._side = _Switch(self, self.side_stream)
+            self._sync_events = [torch.cuda.Event() for _ in range(3)]  # forked, copy joined, side joined
+        self._forked_side = True
 
-    def fork(self) -> None:
+    def fork(self, side: bool = True) -> None:
         """Side streams start after everything queued so far on the caller's stream, and after
         the previous op on this workspace if that one was queued on another stream: two ops in
-        flight on different streams would share the workspace's bytes, so they are serialized."""
+        flight on different streams would share the workspace's bytes, so they are serialized.
+        side=False: the op uses the copy stream only (the side stream is left out of fork and
+        join). Events are made once and re-recorded: host time per call counts."""
         self._next_event = 0
         self.started += 1
+        self._forked_side = side
         if self.is_cuda:
             previous = self.caller
             self.caller = self.active = torch.cuda.current_stream()
@@ -135,14 +140,21 @@ class Lanes:
             # error, and capture starts after a device sync anyway)
             if self._done is not None and self.caller != previous and not torch.cuda.is_current_stream_capturing():
                 self.caller.wait_event(self._done)
-            self.copy_stream.wait_stream(self.caller)
-            self.side_stream.wait_stream(self.caller)
+            forked = self._sync_events[0]
+            forked.record(self.caller)
+            self.copy_stream.wait_event(forked)
+            if side:
+                self.side_stream.wait_event(forked)
 
     def join(self) -> None:
         """The caller's stream continues after all side work."""
         if self.is_cuda:
-            self.caller.wait_stream(self.copy_stream)
-            self.caller.wait_stream(self.side_stream)
+            copied, sided = self._sync_events[1], self._sync_events[2]
+            copied.record(self.copy_stream)
+            self.caller.wait_event(copied)
+            if self._forked_side:
+                sided.record(self.side_stream)
+                self.caller.wait_event(sided)
             if torch.cuda.is_current_stream_capturing():
                 self._done = None  # a captured op is ordered by the graph's replays, not by this event
             else:

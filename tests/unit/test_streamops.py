@@ -50,7 +50,9 @@ def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=Fa
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
     ws = object.__new__(cuda.CudaWorkspace)
+    ws.gate, ws._gate_passed = None, SimpleNamespace(record=lambda stream: None)
     ws.rank, ws.world_size, ws.op, ws.pending = rank, world, "test", None
     ws.device = SimpleNamespace(index=0)
     ws._ops, ws._flags, ws._awaited, ws.own_capture = RecordingOps(), ([1000, 2000, 3000], 0), {}, own_capture
@@ -86,6 +88,7 @@ def test_the_opening_barrier_carries_the_call_signature(monkeypatch):
     assert ws._ops.calls == [("write", 2000 + flag(0), sig), ("wait", 1000 + flag(1), sig), ("write", 1000 + flag(1), 0)]
     assert ws._awaited == {1000 + flag(1): sig}  # what an abort releases the wait with
     assert f"signature 0x{sig:08x} of all_gather_matmul (call 5: a_shard.shape (4, 8))" in ws.pending.what
+    assert ws.gate is ws.pending and ws.gate.passed is ws._gate_passed  # named while the GPU has not passed it
 
 
 def test_signal_flags_view_for_the_single_launch_gemm(monkeypatch):
