@@ -4,10 +4,12 @@ Ranks (CPU processes over gloo and the cpu backend, or one per GPU) time, in one
   checks_alone  begin_call + end_call in a group of one: the checks' own host work
   agreement   Workspace.begin_call + end_call alone: the signature hash (cached), the call
               number, and on CPU the compare in the signal pad, which waits for the peers
-  all_gather  a small asynctp.all_gather, with Config.check_calls on and off
-Medians over --iters calls after --warmup, the maximum over ranks. The difference on - off
-of the op is what the checks cost a call; on CUDA the compare runs on the device (the opening
-barrier's flag value), so there the host cost is the hash and the bookkeeping.
+  matmul      asynctp.all_gather_matmul back to back (GPUs: the seed shape 4096 x 3584 x 8192;
+              CPU: 64 x 64 x 64), Config.check_calls on and off in alternating rounds
+Medians over --iters calls after --warmup (matmul: over rounds), the maximum over ranks.
+checks_cost: the median of the on - off differences of adjacent rounds, and as a percentage of
+the op's time; on CUDA the compare runs on the device (the opening barrier's flag value), so
+there the host cost is the hash and the bookkeeping.
 """
 
 from __future__ import annotations
@@ -61,17 +63,32 @@ def measure(device: str, iters: int, warmup: int) -> dict[str, float]:
             ws.end_call()
 
         results["agreement_us"] = _per_call_us(agreement, iters, warmup)
-    for on in (True, False):
+    # the checks on and off, in alternating rounds (a drift of the machine hits both alike), on
+    # a seed-shaped all_gather_matmul on GPUs (4096 x 3584 x 8192, back to back), a small one on CPU
+    world = dist.get_world_size()
+    m, n, k = (4096, 3584, 8192) if device == "cuda" else (64, 64, 64)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(m // world, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    calls = 20 if device == "cuda" else 5
+
+    def batch() -> None:
+        for _ in range(calls):
+            asynctp.all_gather_matmul(a, [b], 0, group, return_a=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    rounds: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(max(2, 2 * (iters // 100))):
+        on = i % 2 == 0
         with asynctp.config.override(check_calls=on):
             dist.barrier()
-
-            def call() -> None:
-                asynctp.all_gather(x, 0, group)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-
-            results[f"all_gather_checks_{'on' if on else 'off'}_us"] = _per_call_us(call, iters, warmup)
-    results["checks_cost_us"] = results["all_gather_checks_on_us"] - results["all_gather_checks_off_us"]
+            rounds[on].append(_per_call_us(batch, 1, 1 if i < 2 else 0) / calls)
+    diffs = [x - y for x, y in zip(rounds[True], rounds[False])]
+    results["matmul_checks_on_us"] = statistics.median(rounds[True])
+    results["matmul_checks_off_us"] = statistics.median(rounds[False])
+    results["checks_cost_us"] = statistics.median(diffs)
+    results["checks_cost_pct"] = 100 * results["checks_cost_us"] / results["matmul_checks_off_us"]
     return results
 
 

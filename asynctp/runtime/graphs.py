@@ -29,7 +29,9 @@ large matmuls), an eager call's host time is hidden and a graph only holds memor
 8B-shaped block, batch 2: 129.8 ms a step with and without graphs; peak reserved 33.9 GiB with,
 17.6 without). So a key is captured only at a sighting where the GPU was less than LAG_SECONDS
 (10 ms, runtime/lag.py) behind the host; a key found behind at DECIDE_SIGHTINGS sightings runs
-eagerly for good ("gpu-bound"). Keys under SMALL_CALL_BYTES of inputs and outputs are captured
+eagerly ("gpu-bound") until it is seen with the GPU idle at DECIDE_SIGHTINGS sightings in a row
+(the workload turned host-bound: calls that each start on an idle GPU); a training loop that
+waits for the GPU every few steps sees a key idle once per wait, which never undoes it. Keys under SMALL_CALL_BYTES of inputs and outputs are captured
 at their second call regardless: little memory, and at a run's start one rank's compilation
 stalls make its peer look "behind" (2xH200, a tiny fp8 model: 21 of 23 calls of one rank left
 eager). ASYNCTP_GRAPHS=1 captures every key at its second call; 0 never captures.
@@ -185,6 +187,7 @@ class GraphCache:
         self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
         self._behind: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings behind (auto); DECIDE: eager
+        self._idle: dict[tuple, int] = {}  # gpu-bound key -> sightings in a row on an idle GPU since
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         # why calls ran eagerly: "new key" (its first sighting: inputs at addresses not seen
@@ -220,6 +223,7 @@ class GraphCache:
         self._dropped.clear()
         self._off.clear()
         self._behind.clear()
+        self._idle.clear()
 
     def _stale(self, shape: tuple) -> int:
         """Graphs of `shape` never replayed although more calls came since their capture than
@@ -252,7 +256,14 @@ class GraphCache:
                     return self._replay(op, entry)
         elif auto and self._behind.get(key, 0) >= DECIDE_SIGHTINGS:
             self._behind.move_to_end(key)
-            return self._eager(body, "gpu-bound")
+            # decided gpu-bound; the GPU idle at DECIDE_SIGHTINGS sightings in a row (the calls
+            # now start on an idle GPU: the host is the bottleneck) undoes the decision
+            idle = 0 if self.lag.behind() else self._idle.get(key, 0) + 1
+            if idle < DECIDE_SIGHTINGS:
+                self._idle[key] = idle
+                return self._eager(body, "gpu-bound")
+            del self._behind[key]
+            self._idle.pop(key, None)
         shape = _strip(key)  # (not on the replay path above: it walks the whole key)
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
@@ -270,7 +281,7 @@ class GraphCache:
             self._behind[key] = self._behind.get(key, 0) + 1
             self._behind.move_to_end(key)
             if len(self._behind) > _SEEN_KEYS:
-                self._behind.popitem(last=False)
+                self._idle.pop(self._behind.popitem(last=False)[0], None)
             self._seen[key] = nbytes  # its next sighting comes back here
             return self._eager(body, "gpu-bound")
         wasted = self._dropped.get(shape, 0) + self._stale(shape)

@@ -275,6 +275,23 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
     lag.now += lags.LAG_SECONDS
     op(cache, x, w)
     assert cache.counts["captured"] == 0
+    # ... the GPU behind again before the decision is undone: the count starts over
+    lag.now += 2 * lags.LAG_SECONDS
+    op(cache, x, w)
+    for _ in range(graphs.DECIDE_SIGHTINGS - 1):  # idle, but not DECIDE_SIGHTINGS in a row yet
+        lag.gpu_done()
+        lag.now += lags.LAG_SECONDS
+        op(cache, x, w)
+    assert cache.counts["captured"] == 0
+    # ... idle at DECIDE_SIGHTINGS sightings in a row: the calls are host-bound now, captured
+    lag.gpu_done()
+    lag.now += lags.LAG_SECONDS
+    op(cache, x, w)
+    assert cache.counts["captured"] == 1 and cache._count() == 1
+    lag.gpu_done()
+    lag.now += lags.LAG_SECONDS
+    op(cache, x, w)
+    assert cache.counts["replayed"] == 1
 
     # the GPU keeps up (every mark is finished before the next call): captured at the second call
     lag2 = FakeLag()
