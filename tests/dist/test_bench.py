@@ -172,3 +172,18 @@ def test_float8_rows_for_both_recipes(pool, tmp_path):
     for row in rows:
         assert row["error"] is None, row["error"]
         assert row["times_us"]["asynctp_auto"] > 0 and "torch_fused" in row["skipped"]
+
+
+def checks_measured() -> dict:
+    from asynctp.bench.checks import measure
+
+    return measure("cpu", iters=200, warmup=5)
+
+
+def test_checks_cost_is_measured_in_alternating_rounds(pool):
+    per_rank = pool.run(checks_measured)
+    for got in per_rank:
+        assert {"agreement_us", "matmul_checks_on_us", "matmul_checks_off_us", "checks_cost_us",
+                "checks_cost_pct"} <= set(got), got
+        assert got["matmul_checks_on_us"] > 0 and got["matmul_checks_off_us"] > 0
+        assert got["checks_cost_pct"] == pytest.approx(100 * got["checks_cost_us"] / got["matmul_checks_off_us"])
