@@ -5,7 +5,7 @@
 
 Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). Each profiled call
 starts on an idle GPU (the ranks line up first), as `asynctp bench`'s isolated calls do. Writes
-OUT_DIR/host_profile_<op>_<strategy>.txt: the host time per call (median), then the functions by
+OUT_DIR/host_profile_<op>_<strategy>_graphs<G>.txt: the host time per call (median), then the functions by
 own time and by cumulative time.
 """
 
@@ -24,6 +24,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from asynctp.bench.launch import SAFE_ENV
+from asynctp.bench.timing import align_ranks
 
 
 def _call(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, group):
@@ -52,26 +55,19 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
         a = torch.randn(m, k // world, device=device, dtype=dtype)
         b = torch.randn(k // world, n, device=device, dtype=dtype)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize(device)
-
     for _ in range(5):
         _call(args.op, args.strategy, a, b, group)
-    sync()
+    align_ranks(group, device)
     profile = cProfile.Profile()
     host = []
     for _ in range(args.calls):
-        sync()
+        align_ranks(group, device)
         t0 = time.perf_counter()
         profile.enable()
         _call(args.op, args.strategy, a, b, group)
         profile.disable()
         host.append((time.perf_counter() - t0) * 1e6)
-    sync()
+    align_ranks(group, device)
     if rank == 0:
         text = io.StringIO()
         text.write(f"{args.op} strategy={args.strategy} graphs={args.graphs} {m}x{n}x{k} on {device}: "
@@ -99,8 +95,8 @@ def main() -> int:
     p.add_argument("--graphs", default="0", choices=("0", "1", "auto"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    for key, value in SAFE_ENV.items():  # never NVLink multicast
+        os.environ.setdefault(key, value)
     fd, store = tempfile.mkstemp(prefix="asynctp-host-profile-")
     os.close(fd)
     os.unlink(store)

@@ -30,8 +30,8 @@ large matmuls), an eager call's host time is hidden and a graph only holds memor
 17.6 without). So a key is captured only at a sighting where the GPU was less than LAG_SECONDS
 (10 ms, runtime/lag.py) behind the host; a key found behind at DECIDE_SIGHTINGS sightings runs
 eagerly ("gpu-bound") until it is seen with the GPU idle at DECIDE_SIGHTINGS sightings in a row
-(the workload turned host-bound: calls that each start on an idle GPU); a training loop that
-waits for the GPU every few steps sees a key idle once per wait, which never undoes it. Keys under SMALL_CALL_BYTES of inputs and outputs are captured
+(the calls turned host-bound; a loop that waits for the GPU every few steps sees a key idle once
+per wait, which never undoes it). Keys under SMALL_CALL_BYTES of inputs and outputs are captured
 at their second call regardless: little memory, and at a run's start one rank's compilation
 stalls make its peer look "behind" (2xH200, a tiny fp8 model: 21 of 23 calls of one rank left
 eager). ASYNCTP_GRAPHS=1 captures every key at its second call; 0 never captures.

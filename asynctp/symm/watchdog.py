@@ -61,38 +61,38 @@ def watch(ws: Any) -> None:
             _thread.start()
 
 
-def _gate(ws: Any) -> Any:
-    """ws's opening barrier (`ws.gate`, a Pending with `passed`) while the GPU has not passed it:
-    later waits of the call are enqueued behind it, so a stuck call is stuck there first."""
-    g = getattr(ws, "gate", None)
-    if g is None:
-        return None
+def _waiting(ws: Any) -> Any:
+    """The wait a stuck call of ws is stuck at, or None: its opening barrier (`ws.gate`, a
+    Pending with `passed`) while the GPU has not passed it (the call's later waits are queued
+    behind it), else the last wait enqueued (`ws.pending`)."""
+    p, g = ws.pending, getattr(ws, "gate", None)
+    if p is None or g is None:
+        return p
     try:
         passed = g.passed.query()
     except Exception:  # noqa: BLE001  (after a device trap the context is gone: it never passed)
         passed = False
     if passed:
         ws.gate = None
-        return None
+        return p
     return g
 
 
 def _forget(ws: Any, p: Any) -> None:
     """Drop the call's waits once `p` (its last wait, or its gate) is settled or reported."""
     if ws.pending is p or getattr(ws, "gate", None) is p:
-        ws.pending = None
-        if hasattr(ws, "gate"):
-            ws.gate = None
+        ws.pending = ws.gate = None
 
 
 def check(ws: Any, now: float | None = None) -> str | None:
-    """The message for ws's stuck wait, if it has one (and forget that wait); None otherwise.
-    The stuck wait is the call's opening barrier while the GPU has not passed it (ws.gate),
-    else the last wait enqueued (ws.pending)."""
-    p = ws.pending
+    """The message for ws's stuck wait (see _waiting), if it has one (and forget that wait);
+    None otherwise."""
+    return _check(ws, _waiting(ws), now)
+
+
+def _check(ws: Any, p: Any, now: float | None) -> str | None:
     if p is None:
         return None
-    p = _gate(ws) or p
     lanes = ws.lanes
     if getattr(lanes, "started", 0) != getattr(lanes, "joined", 0):
         # the host is still queuing the op that enqueued the wait (or is blocked in it: on
@@ -131,9 +131,8 @@ def report(ws: Any, now: float | None = None) -> str | None:
     ws's device abort is enqueued first: once the line is out, a synchronize is sure to raise
     (logging first let one that started in between return when the released waits finished
     before the abort's assert was even launched)."""
-    p = ws.pending
-    p = (_gate(ws) or p) if p is not None else None
-    message = check(ws, now)
+    p = _waiting(ws)
+    message = _check(ws, p, now)
     if message is not None:
         try:
             if p.abort:
