@@ -25,6 +25,10 @@ for s in ${STEPS:-kernels ops bench}; do
     hostprof) for s2 in ${HOSTPROF:-all_gather_matmul:fused:0 all_gather_matmul:fused:1 matmul_reduce_scatter:fused:0}; do
              IFS=: read -r o st g <<< "$s2"
              step 150 hostprof_${o}_${st}_$g python3 benchmarks/host_profile.py $R --op $o --strategy $st --graphs $g; done ;;
+    stages) for s2 in ${STAGES_LIST:-all_gather_matmul:fused:0 all_gather_matmul:fused:auto matmul_reduce_scatter:fused:0 matmul_reduce_scatter:fused:auto}; do
+             IFS=: read -r o st g <<< "$s2"
+             step 150 stages_${o}_${st}_$g python3 benchmarks/host_profile.py $R --op $o --strategy $st --graphs $g --stages --calls 50; done ;;
+    hostdemo) step ${DEMO_LIMIT:-300} hostdemo python3 -m asynctp.cli demo --model 8b-block --host-profile --out $R/hostdemo ${HOSTDEMO_ARGS:-} ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ;;
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;

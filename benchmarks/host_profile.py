@@ -1,12 +1,15 @@
-"""Where the host time of one fused call goes: cProfile of rank 0 over isolated calls.
+"""Where the host time of one fused call goes: cProfile of rank 0 over isolated calls, or the
+stages of a call timed without a profiler (--stages).
 
     python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]
-        [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0]
+        [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0] [--stages]
 
 Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). Each profiled call
 starts on an idle GPU (the ranks line up first), as `asynctp bench`'s isolated calls do. Writes
 OUT_DIR/host_profile_<op>_<strategy>_graphs<G>.txt: the host time per call (median), then the functions by
-own time and by cumulative time.
+own time and by cumulative time. --stages writes host_stages_<op>_<strategy>_graphs<G>.txt instead:
+each stage's (STAGES: a function of the call path, wrapped by a timer) calls and inclusive host
+time per op call, beside torch.mm's and torch's fused op's host time on the same operands.
 """
 
 from __future__ import annotations
@@ -27,6 +30,141 @@ import torch.multiprocessing as mp
 
 from asynctp.bench.launch import SAFE_ENV
 from asynctp.bench.timing import align_ranks
+
+
+# (module, attribute path): the functions of a fused call's path whose host time is reported
+STAGES = [
+    ("asynctp.ops.all_gather_matmul", "check_all_gather_matmul"),
+    ("asynctp.ops.matmul_reduce_scatter", "check_matmul_reduce_scatter"),
+    ("asynctp.ops.all_gather_matmul", "eager_call_ok"),
+    ("asynctp.ops.all_gather_matmul", "_run"),
+    ("asynctp.ops.matmul_reduce_scatter", "_run_terms"),
+    ("asynctp.symm.calls", "Calls.begin_call"),
+    ("asynctp.symm.calls", "Calls.end_call"),
+    ("asynctp.ops.all_gather_matmul", "make_plan"),
+    ("asynctp.ops.matmul_reduce_scatter", "make_plan"),
+    ("asynctp.ops.all_gather_matmul", "execute"),
+    ("asynctp.ops.matmul_reduce_scatter", "execute"),
+    ("asynctp.runtime.graphs", "GraphCache.call"),
+    ("asynctp.runtime.graphs", "GraphCache._replay"),
+    ("asynctp.runtime.graphs", "_Entry.result"),
+    ("asynctp.symm.workspace", "Lanes.replay"),
+    ("asynctp.symm.cuda", "CudaWorkspace.watch_replay"),
+    ("asynctp.ops.all_gather_matmul", "_fused"),
+    ("asynctp.ops.matmul_reduce_scatter", "_fused"),
+    ("asynctp.runtime.kernel_path", "gather_available"),
+    ("asynctp.runtime.kernel_path", "scatter_available"),
+    ("asynctp.runtime.kernel_path", "gather_matmul"),
+    ("asynctp.runtime.kernel_path", "matmul_scatter"),
+    ("asynctp.runtime.kernel_path", "launch"),
+    ("asynctp.runtime.kernel_path", "launch_producer"),
+    ("asynctp.runtime.kernel_path", "_wait_counter"),
+    ("asynctp.kernels._ag_kernel", "launch"),
+    ("asynctp.kernels._ag_kernel", "TensorDescriptor"),
+    ("asynctp.kernels._ag_kernel", "_ag_mm_kernel.run"),
+    ("asynctp.kernels._rs_kernel", "launch"),
+    ("asynctp.kernels._rs_kernel", "_items"),
+    ("asynctp.symm.workspace", "Lanes.fork"),
+    ("asynctp.symm.workspace", "Lanes.join"),
+    ("asynctp.symm.workspace", "Workspace.ensure"),
+    ("asynctp.symm.workspace", "Workspace.get_buffer"),
+    ("asynctp.symm.cuda", "CudaWorkspace.signal_flags"),
+    ("asynctp.symm.cuda", "CudaWorkspace.barrier"),
+    ("asynctp.symm.cuda", "CudaWorkspace.put_signal"),
+    ("asynctp.symm.cuda", "CudaWorkspace.watch_device_wait"),
+    ("asynctp.symm.cuda", "CudaWorkspace.wait_value"),
+]
+
+
+class StageTimer:
+    """Wraps each importable stage with a timer: calls and inclusive nanoseconds per stage."""
+
+    def __init__(self, stages: list[tuple[str, str]]) -> None:
+        import importlib
+
+        self.totals: dict[str, list[int]] = {}
+        self.missing: list[str] = []
+        for module, path in stages:
+            name = f"{module.rsplit('.', 1)[-1]}.{path}"
+            try:
+                owner = importlib.import_module(module)
+                *parents, attr = path.split(".")
+                for part in parents:
+                    owner = getattr(owner, part)
+                fn = getattr(owner, attr)
+            except (ImportError, AttributeError):
+                self.missing.append(name)
+                continue
+            setattr(owner, attr, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn):
+        total = self.totals.setdefault(name, [0, 0])
+        clock = time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += 1
+                total[1] += clock() - t0
+
+        return timed
+
+    def reset(self) -> None:
+        for total in self.totals.values():
+            total[0] = total[1] = 0
+
+    def table(self, calls: int) -> str:
+        rows = [f"{'stage':58s} {'calls/op':>9s} {'us/op':>9s}"]
+        for name, (count, ns) in sorted(self.totals.items(), key=lambda kv: -kv[1][1]):
+            if count:
+                rows.append(f"{name:58s} {count / calls:9.1f} {ns / calls / 1e3:9.1f}")
+        if self.missing:
+            rows.append(f"(not found: {', '.join(self.missing)})")
+        return "\n".join(rows) + "\n"
+
+
+def _isolated_host(fn, calls: int, group, device) -> list[float]:
+    """Host microseconds of fn() per call, each call starting with the ranks lined up and the
+    GPU idle."""
+    host = []
+    for _ in range(calls):
+        align_ranks(group, device)
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+    return host
+
+
+def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, device, rank: int) -> None:
+    timer = StageTimer(STAGES)
+    for _ in range(5):
+        _call(args.op, args.strategy, a, b, group)
+    timer.reset()
+    host = _isolated_host(lambda: _call(args.op, args.strategy, a, b, group), args.calls, group, device)
+    text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {tuple(a.shape)} x {tuple(b.shape)} on {device}: "
+            f"host time per call median {statistics.median(host):.1f} us, min {min(host):.1f} us over {args.calls} "
+            f"isolated calls (stage timers on)\n\n" + timer.table(args.calls))
+    align_ranks(group, device)
+    timer.reset()
+    queued = []
+    for _ in range(args.calls):  # back to back: the GPU still busy with the previous calls
+        t0 = time.perf_counter()
+        _call(args.op, args.strategy, a, b, group)
+        queued.append((time.perf_counter() - t0) * 1e6)
+    align_ranks(group, device)
+    text += (f"\nback to back (queued behind the previous calls): host time per call median "
+             f"{statistics.median(queued):.1f} us, min {min(queued):.1f} us\n\n" + timer.table(args.calls))
+    full = torch.empty(a.shape[0] * (2 if args.op == "all_gather_matmul" else 1), a.shape[1], device=device,
+                       dtype=a.dtype)
+    mm = _isolated_host(lambda: torch.mm(full, b), args.calls, group, device)
+    text += f"\ntorch.mm on the full rows, host time per call median {statistics.median(mm):.1f} us\n"
+    if rank == 0:
+        path = os.path.join(args.out, f"host_stages_{args.op}_{args.strategy}_graphs{args.graphs}.txt")
+        with open(path, "w") as f:
+            f.write(text)
+        print(text)
 
 
 def _call(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, group):
@@ -55,6 +193,10 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
         a = torch.randn(m, k // world, device=device, dtype=dtype)
         b = torch.randn(k // world, n, device=device, dtype=dtype)
 
+    if args.stages:
+        _stages(args, a, b, group, device, rank)
+        dist.destroy_process_group()
+        return
     for _ in range(5):
         _call(args.op, args.strategy, a, b, group)
     align_ranks(group, device)
@@ -93,6 +235,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--graphs", default="0", choices=("0", "1", "auto"))
+    p.add_argument("--stages", action="store_true", help="time the stages of the call path without a profiler")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for key, value in SAFE_ENV.items():  # never NVLink multicast

@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="queue 3 extra steps of each run under cProfile: where the host time goes (in the JSON)")
     parser.add_argument("--regather-input", action="store_true",
                         help="asynctp re-gathers column-parallel inputs in backward instead of keeping them (less memory)")
     parser.add_argument("--no-shared-gather", action="store_true",
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
         float8=None if args.float8 == "none" else args.float8,
         compile=args.compile,
         profile_steps=5 if args.profile else 0,
+        host_profile_steps=3 if getattr(args, "host_profile", False) else 0,
         save_gathered_input=not args.regather_input,
         share_gathers=not args.no_shared_gather,
         interleave=args.interleave,
@@ -345,6 +348,9 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
         "runs": runs,
         "comparison": compared,
     }
+    for r in runs:
+        if r.get("host_profile"):
+            print(f"{r['name']}: " + "\n".join(r["host_profile"].splitlines()[:24]))
     json_path = stem.with_suffix(".json")
     write_json(json_path, record)
     title = f"{model_name} on {_hardware(world, device_type)}, {record['settings']['dtype']}"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["profile_steps", "exposed_time"]
+__all__ = ["profile_steps", "exposed_time", "host_profile"]
 
 Interval = tuple[float, float]
 
@@ -48,6 +48,31 @@ def profile_steps(step: Callable[[], Any], num_steps: int) -> dict[str, float]:
         top = sorted(((t, n) for (k, n), t in by_name.items() if k == kind), reverse=True)[:8]
         per_step[f"top_{kind}_kernels_ms"] = {n[:120]: round(t / num_steps / 1000.0, 3) for t, n in top}
     return per_step
+
+
+def host_profile(queue_step: Callable[[torch.Tensor], Any], batches: list[torch.Tensor], device: torch.device,
+                 top: int = 30) -> str:
+    """cProfile of one step queued per batch, back to back (the host waits for the device only
+    after the last): the host time a step and the functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for tokens in batches:
+        queue_step(tokens)
+    profile.disable()
+    host = (time.perf_counter() - start) / len(batches)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    text = io.StringIO()
+    text.write(f"{len(batches)} steps queued under cProfile: {1e3 * host:.1f} ms of host time a step (profiled)\n")
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def _is_comm(name: str) -> bool:

@@ -65,6 +65,7 @@ class TrainSettings:
     compile: bool = False
     warmup: int = 3  # steps left out of the timings (allocation, autotuning, compilation)
     profile_steps: int = 0  # extra steps run under torch.profiler (0: no profile)
+    host_profile_steps: int = 0  # extra steps queued under cProfile (0: none): where the host time goes
     # async column-parallel layers keep the gathered input for wgrad (vanilla TP's memory use);
     # False re-gathers it in backward (less memory, one more overlapped gather); fp8 re-gathers
     save_gathered_input: bool = True
@@ -90,6 +91,7 @@ class RunResult:
     peak_memory_bytes: int | None = None  # allocated by tensors (torch.cuda.max_memory_allocated)
     peak_reserved_bytes: int | None = None  # held from the device by torch's allocator, pools included
     profile: dict[str, float] | None = None
+    host_profile: str | None = None  # cProfile of the extra steps, functions by own time
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
     graph_calls: dict[str, int] | None = None  # pipelined calls run eagerly / captured / replayed
     graph_calls_last_step: dict[str, int] | None = None  # the same, of the last step alone
@@ -237,18 +239,26 @@ class _Run:
 
     def finish(self) -> RunResult:
         """Profile (when asked), free the model, and return the record."""
+        self._profile()
+        del self.model, self.opt
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.result
+
+    def _profile(self) -> None:
         settings, device, cfg = self.settings, self.device, self.settings.cfg
+        model, opt, data = self.model, self.opt, self.data
         if settings.profile_steps:
             from asynctp.demo.profile import profile_steps
 
-            model, opt, data = self.model, self.opt, self.data
             self.result.profile = profile_steps(
                 lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device)), settings.profile_steps
             )
-        del self.model, self.opt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return self.result
+        if settings.host_profile_steps:
+            from asynctp.demo.profile import host_profile
+
+            batches = [data.batch(cfg.batch_size, cfg.seq_len).to(device) for _ in range(settings.host_profile_steps)]
+            self.result.host_profile = host_profile(lambda tokens: _queue_step(model, opt, tokens), batches, device)
 
 
 def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
@@ -373,6 +383,7 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
         "host_time_s": median_after_warmup(result.host_times),
         "host_times_s": result.host_times,
         "profile": result.profile,
+        **({"host_profile": result.host_profile} if result.host_profile else {}),
         **({"fusion_report": result.fusion} if result.fusion else {}),
         "world_size": world_size,
         **({"no_comm": True} if result.no_comm else {}),
