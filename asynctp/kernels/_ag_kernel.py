@@ -8,6 +8,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels.configs import Config, split_parts
+from asynctp.kernels.triton_util import FastLaunch
 
 @triton.jit
 def _spin(flag_ptr):
@@ -195,9 +196,20 @@ def tail_scratch(device: torch.device, tail: int, split: int, bm: int, bn: int) 
     return state
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for descriptors made on the device (tl.make_tensor_descriptor)."""
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+_scratch_bufs: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _scratch(size: int, alignment: int, stream: int) -> torch.Tensor:
+    """Global scratch for descriptors made on the device (tl.make_tensor_descriptor). Kept per
+    device and stream (launches on one stream run one after another; an allocation costs host
+    time at every launch); a launch being captured into a CUDA graph gets its own."""
+    device = torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device=device)
+    buf = _scratch_bufs.get((device, stream))
+    if buf is None or buf.numel() < size:
+        buf = _scratch_bufs[device, stream] = torch.empty(size, dtype=torch.int8, device=device)
+    return buf
 
 
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
@@ -225,16 +237,18 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     grid = (max(1, min(num_sms, tiles - tail + tail * split)),)
     dummy = out
     parts, tail_counters = tail_scratch(out.device, tail, split, bm, bn) if split > 1 else (dummy, dummy)
-    _ag_mm_kernel[grid](
+    _ag_launch(grid, (
         a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
         signals if signals is not None else dummy, counters if counters is not None else dummy,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy, bias if bias is not None else dummy, parts, tail_counters,
         m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
         sig_src, sig_blk, out_src, out_blk, tiles - tail,
-        SPLIT=split, BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0],
-        ALIGNED=aligned, WAIT=signals is not None, RESET=counters is not None, LOCAL=a_local is not None,
-        B_TRANS=b_trans, A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale),
-        HAS_BIAS=bias is not None, FLATTEN=cfg.flatten,
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+        split, bm, bn, bk, cfg.group_m, grid[0],  # SPLIT, BM, BN, BK, GROUP_M, NUM_SMS
+        aligned, signals is not None, counters is not None, a_local is not None,  # ALIGNED, WAIT, RESET, LOCAL
+        b_trans, _scale_mode(a_scale), _scale_mode(b_scale),  # B_TRANS, A_SCALE, B_SCALE
+        bias is not None, cfg.flatten,  # HAS_BIAS, FLATTEN
+    ), num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+_ag_launch = FastLaunch(_ag_mm_kernel)

@@ -11,6 +11,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _tile
 from asynctp.kernels.configs import Config
+from asynctp.kernels.triton_util import FastLaunch
 
 
 @triton.jit
@@ -98,14 +99,16 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     tiles = (br // bm) * triton.cdiv(n, bn)
     grid = (max(1, min(num_sms, num_items * tiles)),)
     dummy = out
-    _rs_mm_kernel[grid](
+    _rs_launch(grid, (
         a_desc, b_desc, recv_desc, partials, out, items, signals, counters,
         a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
         bias if bias is not None else dummy,
         n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
-        BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, NUM_SMS=grid[0], B_TRANS=b_trans,
-        A_SCALE=_scale_mode(a_scale), B_SCALE=_scale_mode(b_scale), HAS_BIAS=bias is not None,
-        AVG=reduce_op == "avg", FLATTEN=False,  # the reduction loops defeat Triton's loop fusion
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+        bm, bn, bk, cfg.group_m, grid[0], b_trans,  # BM, BN, BK, GROUP_M, NUM_SMS, B_TRANS
+        _scale_mode(a_scale), _scale_mode(b_scale), bias is not None,  # A_SCALE, B_SCALE, HAS_BIAS
+        reduce_op == "avg", False,  # AVG, FLATTEN (the reduction loops defeat Triton's loop fusion)
+    ), num_warps=cfg.warps, num_stages=cfg.stages)
     return tiles
+
+
+_rs_launch = FastLaunch(_rs_mm_kernel)

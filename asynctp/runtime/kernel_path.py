@@ -42,6 +42,8 @@ _MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
 # per workspace (asynctp.reset makes a new one, and with it zeroed counters)
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _readiness: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {dtype: why not, or None}
+_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {problem: why not, or None}
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {problem: its workspace views}
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -140,6 +142,17 @@ def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -
     why = _ready(ws, a.dtype)
     if why:
         return why
+    key = (a.dtype, m_total, n, a.shape[1], a.stride(1), blocks, rows)
+    per_ws = _served.setdefault(ws, {})
+    why = per_ws.get(key, False)
+    if why is False:
+        why = _shape_served(ws, a, m_total, n, blocks, rows)
+        if not torch.cuda.is_current_stream_capturing():  # (a capture cannot tune a new shape)
+            per_ws[key] = why
+    return why
+
+
+def _shape_served(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
     if blocks > _MAX_BLOCKS:
         return f"{blocks} blocks per rank exceed {_MAX_BLOCKS}"
     k = a.shape[1]
@@ -170,6 +183,10 @@ def _gather_blocks(m: int, segment: int) -> tuple[int, int]:
     return 1, m
 
 
+def _peers(world: int, rank: int) -> list[int]:
+    return [r for r in range(world) if r != rank]
+
+
 def _wait_flag(ws, flag: torch.Tensor, what: str) -> None:
     """The current stream waits until `flag` (one uint32 of the signal pad) is set; it is not
     reset here (gather_matmul zeroes every flag once the GEMM and the copies are done)."""
@@ -192,22 +209,12 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     measured slower than the decomposition (2xH100, M 4096: 439-445 us against 370-374)."""
     world, rank = ws.world_size, ws.rank
     m, k = shard_2d.shape
-    dtype = shard_2d.dtype
-    blocks, rows = _gather_blocks(m, segment)
-    slot = m * k * shard_2d.element_size()
-    scale_off = -(-world * slot // 256) * 256
-    ws.ensure(scale_off + (world * m * 4 if scale_rows is not None else 0))
-    all_rows = ws.get_buffer(rank, (world * m, k), dtype, 0)
-    all_scales = ws.get_buffer(rank, (world * m,), torch.float32, scale_off) if scale_rows is not None else None
-    flags = ws.signal_flags(_SIGNAL_BASE, blocks)  # (block j, source s) at j * world + s
-    out_dtype = out_dtype or dtype
+    g = _gather_views(ws, m, k, shard_2d.dtype, segment, scale_rows is not None)
+    blocks, rows, all_rows, all_scales, flags = g.blocks, g.rows, g.all_rows, g.all_scales, g.flags
+    out_dtype = out_dtype or shard_2d.dtype
     outs = [shard_2d.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
     gathered = shard_2d.new_empty((world * m, k)) if keep_gathered else None
-    # the GEMM reads the own rows in place (a descriptor per tile), except rowwise fp8, whose
-    # scales it reads from one tensor: then the own rows and scales are staged in the own slot
     in_place = scale_rows is None
-    cmap = ChunkMap(blocks=blocks, local_src=rank if in_place else -1, out_src=segment or None,
-                    out_blk=world * segment or None)
     lanes = ws.lanes
     lanes.fork(side=False)
     with lanes.copy():
@@ -220,16 +227,12 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 all_scales[lo:hi].copy_(scale_rows[j * rows : (j + 1) * rows])
             ws.put_signal(rank, channel=_SIGNAL_BASE + j)
         ws.barrier(channel=0)
-        for step in range(1, world):
-            dst = (rank - step) % world  # rank r+1's rows reach r first: its GEMM's next chunk
-            theirs = ws.get_buffer(dst, (m, k), dtype, rank * slot)
-            their_scales = (ws.get_buffer(dst, (m,), torch.float32, scale_off + rank * m * 4)
-                            if scale_rows is not None else None)
+        own = [shard_2d[j * rows : (j + 1) * rows] for j in range(blocks)] if blocks > 1 else [shard_2d]
+        for dst, theirs, their_scales in g.peers:  # rank r+1's rows reach r first: its GEMM's next chunk
             for j in range(blocks):
-                lo, hi = j * rows, (j + 1) * rows
-                theirs[lo:hi].copy_(shard_2d[lo:hi])
+                theirs[j].copy_(own[j])
                 if their_scales is not None:
-                    their_scales[lo:hi].copy_(scale_rows[lo:hi])
+                    their_scales[j].copy_(scale_rows[j * rows : (j + 1) * rows])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + j)
         if gathered is not None:  # rank-major, as the decomposition's rows
             gathered[rank * m : (rank + 1) * m].copy_(shard_2d)
@@ -239,16 +242,59 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
                 gathered[src * m : (src + 1) * m].copy_(all_rows[src * m : (src + 1) * m])
-    ws.watch_device_wait(f"the rows of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
+    ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
-    sig = (world * blocks, 1, world)
     a_scale_ws = all_scales if scale_rows is not None else a_scale
+    cmap = g.cmap_in_place if in_place else g.cmap_staged
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-        launch(all_rows, b, outs[i], flags if i == 0 else None, sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
+        launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
                b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     lanes.join()
-    flags.view(torch.int32).zero_()  # after every reader (stream-ordered); the next call's signals come later
+    g.flags_int.zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs
+
+
+class _GatherViews:
+    """What gather_matmul needs of the workspace for one problem, made once per problem and
+    workspace generation (views cost host time at every call)."""
+
+    def __init__(self, ws, m: int, k: int, dtype: torch.dtype, segment: int, scaled: bool) -> None:
+        world, rank = ws.world_size, ws.rank
+        self.blocks, self.rows = blocks, rows = _gather_blocks(m, segment)
+        slot = m * k * dtype.itemsize
+        scale_off = -(-world * slot // 256) * 256
+        self.nbytes = scale_off + (world * m * 4 if scaled else 0)
+        ws.ensure(self.nbytes)
+        self.generation = ws.generation
+        self.all_rows = ws.get_buffer(rank, (world * m, k), dtype, 0)
+        self.all_scales = ws.get_buffer(rank, (world * m,), torch.float32, scale_off) if scaled else None
+        self.flags = ws.signal_flags(_SIGNAL_BASE, blocks)  # (block j, source s) at j * world + s
+        self.flags_int = self.flags.view(torch.int32)
+        self.peers = []  # (dst, its slot's blocks, its scale slot's blocks), in push order
+        for step in range(1, world):
+            dst = (rank - step) % world
+            theirs = ws.get_buffer(dst, (m, k), dtype, rank * slot)
+            scales = ws.get_buffer(dst, (m,), torch.float32, scale_off + rank * m * 4) if scaled else None
+            self.peers.append((dst, [theirs[j * rows : (j + 1) * rows] for j in range(blocks)],
+                               None if scales is None else [scales[j * rows : (j + 1) * rows] for j in range(blocks)]))
+        # the GEMM reads the own rows in place (a descriptor per tile), except rowwise fp8, whose
+        # scales it reads from one tensor: then the own rows and scales are staged in the own slot
+        out_src, out_blk = segment or None, world * segment or None
+        self.cmap_in_place = ChunkMap(blocks=blocks, local_src=rank, out_src=out_src, out_blk=out_blk)
+        self.cmap_staged = ChunkMap(blocks=blocks, local_src=-1, out_src=out_src, out_blk=out_blk)
+        self.sig = (world * blocks, 1, world)
+
+
+def _gather_views(ws, m: int, k: int, dtype: torch.dtype, segment: int, scaled: bool) -> _GatherViews:
+    per_ws = _views.setdefault(ws, {})
+    key = ("gather", m, k, dtype, segment, scaled)
+    g = per_ws.get(key)
+    if g is None or g.generation != ws.generation:
+        g = per_ws[key] = _GatherViews(ws, m, k, dtype, segment, scaled)
+        if len(per_ws) > 64:
+            per_ws.clear()
+            per_ws[key] = g
+    return g  # (the buffers never shrink: within a generation, a problem's bytes stay there)
 
 
 def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool) -> str | None:
@@ -265,31 +311,55 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     world, rank = ws.world_size, ws.rank
     m = a_2d.shape[0] // world
     n = b.shape[1]
-    blocks, rows = _scatter_blocks(m, segment)
-    a_strides = (segment, world * segment) if segment else (m, rows)
     out_dtype = out_dtype or (torch.bfloat16 if a_2d.element_size() == 1 else a_2d.dtype)
-    chunk = m * n * out_dtype.itemsize
-    ws.ensure(world * chunk)
-    received = ws.get_buffer(rank, (world, m, n), out_dtype, 0)
-    flags = ws.signal_flags(_SIGNAL_BASE, blocks)
-    counters = _counter(ws, world * blocks + blocks)
+    v = _scatter_views(ws, m, n, out_dtype, segment)
+    blocks, rows = v.blocks, v.rows
     out = a_2d.new_empty((m, n), dtype=out_dtype)
     partials = a_2d.new_empty((max(1, world - 1), m, n), dtype=out_dtype)
     lanes = ws.lanes
     lanes.fork(side=False)
     with lanes.copy():
         ws.barrier(channel=0)
-    ws.watch_device_wait(f"the partials of ranks {sorted(set(range(world)) - {rank})} (single-launch GEMM)", flags)
-    tiles, _ = launch_producer(a_2d, b, partials, received, out, rank, world, blocks, a_strides,
-                               RawPointer(flags.data_ptr()), (1, world), counters, reduce_op=reduce_op,
-                               a_scale=a_scale, b_scale=b_scale, bias=bias)
+    ws.watch_device_wait(lambda: f"the partials of ranks {_peers(world, rank)} (single-launch GEMM)", v.flags)
+    tiles, _ = launch_producer(a_2d, b, partials, v.received, out, rank, world, blocks, v.a_strides, v.flag_ptr,
+                               (1, world), v.counters, reduce_op=reduce_op, a_scale=a_scale, b_scale=b_scale, bias=bias)
     with lanes.copy():
-        for j in range(blocks):
-            for step in range(1, world):
-                dst = (rank + step) % world
-                _wait_counter(ws, counters[dst * blocks + j], tiles, f"the GEMM's tiles of rank {dst}'s block {j}")
-                ws.get_buffer(dst, (m, n), out_dtype, rank * chunk)[j * rows : (j + 1) * rows].copy_(
-                    partials[step - 1, j * rows : (j + 1) * rows])
-                ws.put_signal(dst, channel=_SIGNAL_BASE + j)
+        for j, step, dst, counter, theirs in v.pushes:
+            _wait_counter(ws, counter, tiles, f"the GEMM's tiles of rank {dst}'s block {j}")
+            theirs.copy_(partials[step - 1, j * rows : (j + 1) * rows])
+            ws.put_signal(dst, channel=_SIGNAL_BASE + j)
     lanes.join()
     return out
+
+
+class _ScatterViews:
+    """What matmul_scatter needs of the workspace for one problem, made once per problem and
+    workspace generation."""
+
+    def __init__(self, ws, m: int, n: int, out_dtype: torch.dtype, segment: int) -> None:
+        world, rank = ws.world_size, ws.rank
+        self.blocks, self.rows = blocks, rows = _scatter_blocks(m, segment)
+        self.a_strides = (segment, world * segment) if segment else (m, rows)
+        chunk = m * n * out_dtype.itemsize
+        ws.ensure(world * chunk)
+        self.generation = ws.generation
+        self.received = ws.get_buffer(rank, (world, m, n), out_dtype, 0)
+        self.flags = ws.signal_flags(_SIGNAL_BASE, blocks)
+        self.flag_ptr = RawPointer(self.flags.data_ptr())
+        self.counters = _counter(ws, world * blocks + blocks)
+        # (block, step, owner, the GEMM's tile counter of that block, the block's rows in the owner's slot)
+        self.pushes = [(j, step, (rank + step) % world, self.counters[((rank + step) % world) * blocks + j],
+                        ws.get_buffer((rank + step) % world, (m, n), out_dtype, rank * chunk)[j * rows : (j + 1) * rows])
+                       for j in range(blocks) for step in range(1, world)]
+
+
+def _scatter_views(ws, m: int, n: int, out_dtype: torch.dtype, segment: int) -> _ScatterViews:
+    per_ws = _views.setdefault(ws, {})
+    key = ("scatter", m, n, out_dtype, segment)
+    v = per_ws.get(key)
+    if v is None or v.generation != ws.generation:
+        v = per_ws[key] = _ScatterViews(ws, m, n, out_dtype, segment)
+        if len(per_ws) > 64:
+            per_ws.clear()
+            per_ws[key] = v
+    return v

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,7 @@ class CudaWorkspace(Workspace):
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
         self._awaited = {}  # a fresh signal pad is zeroed
+        self._signal_views: dict[tuple[int, int], torch.Tensor] = {}
         self._flags, why = _flag_region(handle, self.world_size)
         self._ops = streamops.load() if self._flags is not None else None
         if self._ops is None:
@@ -161,7 +162,7 @@ class CudaWorkspace(Workspace):
         if not 0 <= channel < FLAG_CHANNELS:
             raise ValueError(f"asynctp {self.op}: a channel requires 0 <= channel < {FLAG_CHANNELS}, got {channel}")
 
-    def _watch(self, what: str, peer: int | None, seconds: float) -> bool:
+    def _watch(self, what: str | Callable[[], str], peer: int | None, seconds: float) -> bool:
         """Record a wait for the watchdog; returns whether it is a stream memory operation.
         A wait captured into a CUDA graph runs at replay: runtime/graphs.py watches the replay."""
         if torch.cuda.is_current_stream_capturing():
@@ -175,14 +176,15 @@ class CudaWorkspace(Workspace):
         self.pending = watchdog.Pending(op, "the barriers and signals of a CUDA-graph replay", None,
                                         self._timeout(None), abort=True)
 
-    def watch_device_wait(self, what: str, flags: torch.Tensor, value: int = SIGNAL_VALUE) -> None:
+    def watch_device_wait(self, what: str | Callable[[], str], flags: torch.Tensor, value: int = SIGNAL_VALUE) -> None:
         """Tell the watchdog that the GPU now waits until every 32-bit word of `flags` (a device
         tensor: own signal flags, or a kernel's counters) equals `value`: a timeout names the op,
         the rank and `what`, then writes `value` into each word and aborts the context. For waits
         this workspace does not enqueue itself (a kernel's spins, wait_value)."""
         self._watch(what, None, self._timeout(None))
+        base = flags.data_ptr()
         for i in range(flags.numel()):
-            self._awaited[flags.data_ptr() + 4 * i] = value
+            self._awaited[base + 4 * i] = value
 
     def wait_value(self, word: torch.Tensor, value: int, reset: bool) -> None:
         """The current stream waits until `word` (one 32-bit device word) equals `value`, a stream
@@ -205,8 +207,12 @@ class CudaWorkspace(Workspace):
             raise ValueError("signal_flags requires the stream-operation flags, got torch's signal kernels")
         if not (0 <= first and count >= 0 and first + count <= FLAG_CHANNELS):
             raise ValueError(f"signal_flags requires channels within [0, {FLAG_CHANNELS}), got {first}..{first + count - 1}")
-        offset = self._flag(1, first, 0) // 4
-        return self._handle.get_signal_pad(self.rank, (count * self.world_size,), torch.uint32, offset)
+        flags = self._signal_views.get((first, count))
+        if flags is None:  # (kept: a view of the pad costs tens of microseconds; the pad is replaced on growth)
+            offset = self._flag(1, first, 0) // 4
+            flags = self._signal_views[first, count] = self._handle.get_signal_pad(
+                self.rank, (count * self.world_size,), torch.uint32, offset)
+        return flags
 
     def close(self) -> None:
         super().close()
@@ -216,9 +222,11 @@ class CudaWorkspace(Workspace):
         self._check_channel(channel)
         seconds = self._timeout(timeout)
         value = self.signature if channel == 0 else SIGNAL_VALUE
-        what = f"barrier channel {channel}"
         if channel == 0 and value != SIGNAL_VALUE:
-            what += f" with the signature 0x{value:08x} of {self.op} (call {self.seq}: {self._fields()})"
+            op, seq, fields = self.op, self.seq, self.call  # (formatted only if the watchdog reports the wait)
+            what = lambda: f"barrier channel 0 with the signature 0x{value:08x} of {op} (call {seq}: {_fields(fields)})"  # noqa: E731
+        else:
+            what = f"barrier channel {channel}"
         if not self._watch(what, None, seconds):
             self._handle.barrier(channel=channel, timeout_ms=int(seconds * 1000))
             return
@@ -240,9 +248,6 @@ class CudaWorkspace(Workspace):
             self.pending.passed = self._gate_passed
             self.gate = self.pending
 
-    def _fields(self) -> str:
-        _, names, values = self.call
-        return ", ".join(f"{n} {v!r}" for n, v in zip(names, values))
 
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._check_channel(channel)
@@ -260,6 +265,12 @@ class CudaWorkspace(Workspace):
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))
+
+
+def _fields(call: tuple) -> str:
+    """A call's (op, field names, values) as "name value, ..."."""
+    _, names, values = call
+    return ", ".join(f"{n} {v!r}" for n, v in zip(names, values))
 
 
 def _flag_region(handle, world_size: int) -> tuple[tuple[list[int], int] | None, str | None]:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Pending", "watch", "check", "report"]
@@ -33,15 +34,24 @@ log = logging.getLogger("asynctp")
 
 
 class Pending:
-    """One wait in flight: set by the workspace when it enqueues the wait."""
+    """One wait in flight: set by the workspace when it enqueues the wait. `what` is its
+    description, or a function that makes it (called only when the description is read: most
+    waits finish unread, and formatting costs host time every call)."""
 
-    __slots__ = ("op", "what", "peer", "issued", "timeout", "abort", "passed")
+    __slots__ = ("op", "_what", "peer", "issued", "timeout", "abort", "passed")
 
-    def __init__(self, op: str, what: str, peer: int | None, timeout: float, abort: bool = False) -> None:
-        self.op, self.what, self.peer, self.timeout = op, what, peer, timeout
+    def __init__(self, op: str, what: str | Callable[[], str], peer: int | None, timeout: float,
+                 abort: bool = False) -> None:
+        self.op, self._what, self.peer, self.timeout = op, what, peer, timeout
         self.abort = abort  # the wait has no timeout of its own: the watchdog aborts the context
         self.issued = time.monotonic()
         self.passed = None  # a gate's: an event (query()) recorded on the stream right after the wait
+
+    @property
+    def what(self) -> str:
+        if callable(self._what):
+            self._what = self._what()
+        return self._what
 
 
 _watched: weakref.WeakSet = weakref.WeakSet()

@@ -86,11 +86,17 @@ class _Switch:
 
     def __enter__(self) -> None:
         self.lanes.active = self.stream
-        torch.cuda.set_stream(self.stream)
+        _set_stream(self.stream)
 
     def __exit__(self, *exc: object) -> None:
         self.lanes.active = self.lanes.caller
-        torch.cuda.set_stream(self.lanes.caller)
+        _set_stream(self.lanes.caller)
+
+
+def _set_stream(stream: torch.cuda.Stream) -> None:
+    """torch.cuda.set_stream without its Python wrappers."""
+    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type)
 
 
 class Lanes:
@@ -122,7 +128,21 @@ class Lanes:
             self._copy = _Switch(self, self.copy_stream)
             self._side = _Switch(self, self.side_stream)
             self._sync_events = [torch.cuda.Event() for _ in range(3)]  # forked, copy joined, side joined
+        self._index = device.index if device.index is not None else 0
+        self._streams: dict[tuple, Any] = {}  # (id, device, type) -> its Stream object, made once
         self._forked_side = True
+
+    def current(self) -> torch.cuda.Stream:
+        """The current stream of the device (torch.cuda.current_stream() makes a new Stream object
+        at every call; the same stream is the same object here)."""
+        data = torch._C._cuda_getCurrentStream(self._index)
+        stream = self._streams.get(data)
+        if stream is None:
+            if len(self._streams) > 64:
+                self._streams.clear()
+            stream = self._streams[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1],
+                                                             device_type=data[2])
+        return stream
 
     def fork(self, side: bool = True) -> None:
         """Side streams start after everything queued so far on the caller's stream, and after
@@ -135,10 +155,10 @@ class Lanes:
         self._forked_side = side
         if self.is_cuda:
             previous = self.caller
-            self.caller = self.active = torch.cuda.current_stream()
+            self.caller = self.active = self.current()
             # (not during CUDA-graph capture: waiting there on work recorded outside it is an
             # error, and capture starts after a device sync anyway)
-            if self._done is not None and self.caller != previous and not torch.cuda.is_current_stream_capturing():
+            if self._done is not None and self.caller is not previous and not torch.cuda.is_current_stream_capturing():
                 self.caller.wait_event(self._done)
             forked = self._sync_events[0]
             forked.record(self.caller)
@@ -170,8 +190,8 @@ class Lanes:
     def replay(self, run: Callable[[], None]) -> None:
         """run() (a CUDA-graph replay of a whole op) on the current stream, ordered as fork and
         join order ops: after the previous op on this workspace, and the next op after it."""
-        caller = torch.cuda.current_stream()
-        if self._done is not None and self.caller is not None and caller != self.caller:
+        caller = self.current()
+        if self._done is not None and self.caller is not None and caller is not self.caller:
             caller.wait_event(self._done)
         run()
         self.caller = self.active = caller
