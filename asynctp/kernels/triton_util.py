@@ -55,6 +55,7 @@ class FastLaunch:
 
         self.fn, self._runtime = fn, knobs.runtime
         self.kernels: dict[tuple, object] = {}
+        self.fast = True  # False once the compiled launcher refused its arguments (another Triton)
 
     @staticmethod
     def _spec(arg):
@@ -70,7 +71,7 @@ class FastLaunch:
         key = (tuple(map(self._spec, args)), tuple(options.items()))
         kernel = self.kernels.get(key)
         hooked = _active(self._runtime.launch_enter_hook) or _active(self._runtime.launch_exit_hook)
-        if kernel is None or hooked:
+        if kernel is None or hooked or not self.fast:
             kernel = self.fn[grid](*args, **options)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
@@ -78,8 +79,16 @@ class FastLaunch:
                 self.kernels[key] = kernel
             return
         stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *args)
+        try:
+            kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                       kernel.function, kernel.packed_metadata, None, None, None, *args)
+        except TypeError as exc:  # the launcher parses its arguments before it launches anything
+            from asynctp.config import warn_once
+
+            warn_once("fast-launch", f"asynctp: this Triton's kernel launcher refused a direct launch ({exc}); "
+                      "launches go through Triton's binding (more host time per call)")
+            self.fast = False
+            self.fn[grid](*args, **options)
 
 
 def _active(hook) -> bool:

@@ -157,3 +157,57 @@ def test_the_last_partial_wave_is_split_along_k(tiles, sms, k_tiles, parts):
     if parts > 1:  # one part per program: no program waits on another's part
         assert tiles % sms * parts <= sms
 
+
+
+def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
+    """FastLaunch: a key's first launch goes through Triton, later ones through the compiled
+    kernel's launcher; another alignment or value is another key; a launch hook, or a launcher
+    that refuses its arguments, sends launches through Triton."""
+    pytest.importorskip("triton")
+    from asynctp.kernels.triton_util import FastLaunch
+
+    through_triton, direct = [], []
+
+    class Kernel:
+        function = packed_metadata = None
+        refuse = False
+
+        def run(self, *args):
+            if Kernel.refuse:
+                raise TypeError("bad arguments")
+            direct.append(args)
+
+    class Fn:
+        def __getitem__(self, grid):
+            return lambda *args, **options: through_triton.append(args) or Kernel()
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launch = FastLaunch(Fn())
+    store = torch.zeros(9, dtype=torch.int16)
+    launch((4,), (store[:8], 3, True), num_warps=4)
+    launch((4,), (store[:8], 3, True), num_warps=4)
+    assert len(through_triton) == 1 and len(direct) == 1
+    grid_and_stream, args = direct[0][:4], direct[0][9:]
+    assert grid_and_stream == (4, 1, 1, 7) and args[0].data_ptr() == store.data_ptr() and args[1:] == (3, True)
+    launch((4,), (store[1:], 3, True), num_warps=4)  # 2 bytes off 16-byte alignment: a new key
+    launch((4,), (store[:8], 4, True), num_warps=4)  # another value: a new key
+    assert len(through_triton) == 3 and len(direct) == 1
+    runtime = launch._runtime
+    hook = lambda *a, **k: None  # noqa: E731
+    if hasattr(runtime.launch_enter_hook, "add"):  # Triton >= 3.5: a chain of hooks
+        runtime.launch_enter_hook.add(hook)
+        undo = lambda: runtime.launch_enter_hook.remove(hook)  # noqa: E731
+    else:
+        old = runtime.launch_enter_hook
+        runtime.launch_enter_hook = hook
+        undo = lambda: setattr(runtime, "launch_enter_hook", old)  # noqa: E731
+    try:
+        launch((4,), (store[:8], 3, True), num_warps=4)
+    finally:
+        undo()
+    assert len(through_triton) == 4 and len(direct) == 1
+    Kernel.refuse = True
+    with pytest.warns(RuntimeWarning, match="refused a direct launch"):
+        launch((4,), (store[:8], 3, True), num_warps=4)
+    assert not launch.fast and len(through_triton) == 5
