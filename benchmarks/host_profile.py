@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asynctp.bench.launch import SAFE_ENV
-from asynctp.bench.timing import align_ranks
+from asynctp.bench.timing import align_ranks, isolated_us
 
 
 # (module, attribute path): the functions of a fused call's path whose host time is reported
@@ -125,27 +125,15 @@ class StageTimer:
         return "\n".join(rows) + "\n"
 
 
-def _isolated_host(fn, calls: int, group, device) -> list[float]:
-    """Host microseconds of fn() per call, each call starting with the ranks lined up and the
-    GPU idle."""
-    host = []
-    for _ in range(calls):
-        align_ranks(group, device)
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e6)
-    return host
-
-
 def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, device, rank: int) -> None:
     timer = StageTimer(STAGES)
     for _ in range(5):
         _call(args.op, args.strategy, a, b, group)
     timer.reset()
-    host = _isolated_host(lambda: _call(args.op, args.strategy, a, b, group), args.calls, group, device)
+    _, host = isolated_us(lambda: _call(args.op, args.strategy, a, b, group), args.calls, group, device)
     text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {tuple(a.shape)} x {tuple(b.shape)} on {device}: "
-            f"host time per call median {statistics.median(host):.1f} us, min {min(host):.1f} us over {args.calls} "
-            f"isolated calls (stage timers on)\n\n" + timer.table(args.calls))
+            f"host time per call {host:.1f} us (median over {args.calls} isolated calls, slowest rank; stage timers "
+            f"on)\n\n" + timer.table(args.calls))
     align_ranks(group, device)
     timer.reset()
     queued = []
@@ -158,8 +146,8 @@ def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, d
              f"{statistics.median(queued):.1f} us, min {min(queued):.1f} us\n\n" + timer.table(args.calls))
     full = torch.empty(a.shape[0] * (2 if args.op == "all_gather_matmul" else 1), a.shape[1], device=device,
                        dtype=a.dtype)
-    mm = _isolated_host(lambda: torch.mm(full, b), args.calls, group, device)
-    text += f"\ntorch.mm on the full rows, host time per call median {statistics.median(mm):.1f} us\n"
+    _, mm = isolated_us(lambda: torch.mm(full, b), args.calls, group, device)
+    text += f"\ntorch.mm on the full rows, host time per call {mm:.1f} us (median, slowest rank)\n"
     if rank == 0:
         path = os.path.join(args.out, f"host_stages_{args.op}_{args.strategy}_graphs{args.graphs}.txt")
         with open(path, "w") as f:

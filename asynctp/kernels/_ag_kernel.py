@@ -176,40 +176,44 @@ def _scale_mode(scale: torch.Tensor | None) -> int:
     return 0 if scale is None else (1 if scale.numel() == 1 else 2)
 
 
-_tail_state: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+def _kept_per_stream(store: dict, device: int, stream: int, fits, make):
+    """make()'s buffers, kept in `store` per device and stream while they fit (launches on one
+    stream run one after another: an allocation would cost host time at every launch); a launch
+    being captured into a CUDA graph gets its own (the graph's memory)."""
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    held = store.get((device, stream))
+    if held is None or not fits(held):
+        held = store[device, stream] = make()
+    return held
 
 
-def tail_scratch(device: torch.device, tail: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 room for the split tiles' parts and one counter per split tile. Kept per device and
-    stream (launches on one stream run one after another; the counters are zero between
-    launches: the last part resets its tile's); a launch being captured into a CUDA graph gets
-    its own (the graph's memory)."""
-    size = tail * split * bm * bn
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return (torch.empty(size, dtype=torch.float32, device=device),
-                torch.zeros(tail, dtype=torch.int32, device=device))
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    state = _tail_state.get(key)
-    if state is None or state[0].numel() < size or state[1].numel() < tail:
-        state = _tail_state[key] = (torch.empty(size, dtype=torch.float32, device=device),
-                                    torch.zeros(max(tail, 256), dtype=torch.int32, device=device))
-    return state
-
-
+_tail_state: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _scratch_bufs: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def tail_scratch(device: torch.device, tail: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 room for the split tiles' parts and one counter per split tile, kept per stream (the
+    counters are zero between launches: the last part resets its tile's)."""
+    size = tail * split * bm * bn
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(size, dtype=torch.float32, device=device),
+                torch.zeros(max(tail, 256), dtype=torch.int32, device=device))
+
+    if device.type != "cuda":  # (Triton's interpreter)
+        return make()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _kept_per_stream(_tail_state, index, torch._C._cuda_getCurrentRawStream(index),
+                            lambda held: held[0].numel() >= size and held[1].numel() >= tail, make)
+
+
 def _scratch(size: int, alignment: int, stream: int) -> torch.Tensor:
-    """Global scratch for descriptors made on the device (tl.make_tensor_descriptor). Kept per
-    device and stream (launches on one stream run one after another; an allocation costs host
-    time at every launch); a launch being captured into a CUDA graph gets its own."""
+    """Global scratch for descriptors made on the device (tl.make_tensor_descriptor), kept per
+    stream (Triton passes the launch's)."""
     device = torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device=device)
-    buf = _scratch_bufs.get((device, stream))
-    if buf is None or buf.numel() < size:
-        buf = _scratch_bufs[device, stream] = torch.empty(size, dtype=torch.int8, device=device)
-    return buf
+    return _kept_per_stream(_scratch_bufs, device, stream, lambda held: held.numel() >= size,
+                            lambda: torch.empty(size, dtype=torch.int8, device=device))
 
 
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,

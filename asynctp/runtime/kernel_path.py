@@ -41,7 +41,6 @@ _GATHER_SPLITS = 4  # blocks of a rank's rows in the all-gather (front order)
 _MIN_BLOCK_ROWS = 256  # ... each at least this many rows (two 128-row tiles)
 # per workspace (asynctp.reset makes a new one, and with it zeroed counters)
 _counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_readiness: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {dtype: why not, or None}
 _served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {problem: why not, or None}
 _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ws -> {problem: its workspace views}
 
@@ -86,20 +85,8 @@ def _not_now(cfg: Config) -> float:
     raise RuntimeError("no timing during CUDA-graph capture")
 
 
-def _ready(ws, dtype: torch.dtype) -> str | None:
-    """Why the GEMM cannot run on ws's device for operands of `dtype` (None: it can); kept per
-    workspace and dtype (asked at every call), except the stream-operation check (a capture may
-    be under way)."""
-    per_ws = _readiness.setdefault(ws, {})
-    why = per_ws.get(dtype, False)
-    if why is False:
-        why = per_ws[dtype] = _device_ready(ws, dtype)
-    if why is None and not ws.uses_stream_ops():
-        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
-    return why
-
-
 def _device_ready(ws, dtype: torch.dtype) -> str | None:
+    """Why the GEMM cannot run on ws's device for operands of `dtype` (None: it can)."""
     if ws.device.type != "cuda":
         return "the single-launch GEMM runs on CUDA"
     if dtype not in _DTYPES:
@@ -138,17 +125,18 @@ def _scatter_blocks(m: int, segment: int) -> tuple[int, int]:
 
 def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
     """Why the GEMM cannot serve a problem of a ([rows, K] operand), m_total x n cut into
-    `blocks` blocks of `rows` rows per rank (None: it can). Tunes the problem's tile on first use."""
-    why = _ready(ws, a.dtype)
-    if why:
-        return why
+    `blocks` blocks of `rows` rows per rank (None: it can). Kept per workspace and problem (asked
+    at every call; the problem's tile is tuned on first use), except the stream-operation check
+    (a capture may be under way)."""
     key = (a.dtype, m_total, n, a.shape[1], a.stride(1), blocks, rows)
     per_ws = _served.setdefault(ws, {})
     why = per_ws.get(key, False)
     if why is False:
-        why = _shape_served(ws, a, m_total, n, blocks, rows)
-        if not torch.cuda.is_current_stream_capturing():  # (a capture cannot tune a new shape)
+        why = _device_ready(ws, a.dtype) or _shape_served(ws, a, m_total, n, blocks, rows)
+        if ws.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # (a capture cannot tune)
             per_ws[key] = why
+    if why is None and not ws.uses_stream_ops():
+        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
     return why
 
 
@@ -209,12 +197,14 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     measured slower than the decomposition (2xH100, M 4096: 439-445 us against 370-374)."""
     world, rank = ws.world_size, ws.rank
     m, k = shard_2d.shape
-    g = _gather_views(ws, m, k, shard_2d.dtype, segment, scale_rows is not None)
+    scaled = scale_rows is not None
+    g = _views_of(ws, ("gather", m, k, shard_2d.dtype, segment, scaled),
+                  lambda: _GatherViews(ws, m, k, shard_2d.dtype, segment, scaled))
     blocks, rows, all_rows, all_scales, flags = g.blocks, g.rows, g.all_rows, g.all_scales, g.flags
     out_dtype = out_dtype or shard_2d.dtype
     outs = [shard_2d.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
     gathered = shard_2d.new_empty((world * m, k)) if keep_gathered else None
-    in_place = scale_rows is None
+    in_place = not scaled
     lanes = ws.lanes
     lanes.fork(side=False)
     with lanes.copy():
@@ -244,10 +234,9 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 gathered[src * m : (src + 1) * m].copy_(all_rows[src * m : (src + 1) * m])
     ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
-    a_scale_ws = all_scales if scale_rows is not None else a_scale
-    cmap = g.cmap_in_place if in_place else g.cmap_staged
+    a_scale_ws = all_scales if scaled else a_scale
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-        launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, cmap, a_scale=a_scale_ws,
+        launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap, a_scale=a_scale_ws,
                b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
     lanes.join()
     g.flags_int.zero_()  # after every reader (stream-ordered); the next call's signals come later
@@ -263,8 +252,7 @@ class _GatherViews:
         self.blocks, self.rows = blocks, rows = _gather_blocks(m, segment)
         slot = m * k * dtype.itemsize
         scale_off = -(-world * slot // 256) * 256
-        self.nbytes = scale_off + (world * m * 4 if scaled else 0)
-        ws.ensure(self.nbytes)
+        ws.ensure(scale_off + (world * m * 4 if scaled else 0))
         self.generation = ws.generation
         self.all_rows = ws.get_buffer(rank, (world * m, k), dtype, 0)
         self.all_scales = ws.get_buffer(rank, (world * m,), torch.float32, scale_off) if scaled else None
@@ -279,22 +267,21 @@ class _GatherViews:
                                None if scales is None else [scales[j * rows : (j + 1) * rows] for j in range(blocks)]))
         # the GEMM reads the own rows in place (a descriptor per tile), except rowwise fp8, whose
         # scales it reads from one tensor: then the own rows and scales are staged in the own slot
-        out_src, out_blk = segment or None, world * segment or None
-        self.cmap_in_place = ChunkMap(blocks=blocks, local_src=rank, out_src=out_src, out_blk=out_blk)
-        self.cmap_staged = ChunkMap(blocks=blocks, local_src=-1, out_src=out_src, out_blk=out_blk)
+        self.cmap = ChunkMap(blocks=blocks, local_src=-1 if scaled else rank, out_src=segment or None,
+                             out_blk=world * segment or None)
         self.sig = (world * blocks, 1, world)
 
 
-def _gather_views(ws, m: int, k: int, dtype: torch.dtype, segment: int, scaled: bool) -> _GatherViews:
+def _views_of(ws, key: tuple, make):
+    """The views object of one problem (key) on ws, made by make() once per workspace
+    generation: the views of replaced buffers are stale."""
     per_ws = _views.setdefault(ws, {})
-    key = ("gather", m, k, dtype, segment, scaled)
-    g = per_ws.get(key)
-    if g is None or g.generation != ws.generation:
-        g = per_ws[key] = _GatherViews(ws, m, k, dtype, segment, scaled)
-        if len(per_ws) > 64:
+    v = per_ws.get(key)
+    if v is None or v.generation != ws.generation:
+        if len(per_ws) >= 64:
             per_ws.clear()
-            per_ws[key] = g
-    return g  # (the buffers never shrink: within a generation, a problem's bytes stay there)
+        v = per_ws[key] = make()
+    return v
 
 
 def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool) -> str | None:
@@ -312,7 +299,7 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     m = a_2d.shape[0] // world
     n = b.shape[1]
     out_dtype = out_dtype or (torch.bfloat16 if a_2d.element_size() == 1 else a_2d.dtype)
-    v = _scatter_views(ws, m, n, out_dtype, segment)
+    v = _views_of(ws, ("scatter", m, n, out_dtype, segment), lambda: _ScatterViews(ws, m, n, out_dtype, segment))
     blocks, rows = v.blocks, v.rows
     out = a_2d.new_empty((m, n), dtype=out_dtype)
     partials = a_2d.new_empty((max(1, world - 1), m, n), dtype=out_dtype)
@@ -348,18 +335,10 @@ class _ScatterViews:
         self.flag_ptr = RawPointer(self.flags.data_ptr())
         self.counters = _counter(ws, world * blocks + blocks)
         # (block, step, owner, the GEMM's tile counter of that block, the block's rows in the owner's slot)
-        self.pushes = [(j, step, (rank + step) % world, self.counters[((rank + step) % world) * blocks + j],
-                        ws.get_buffer((rank + step) % world, (m, n), out_dtype, rank * chunk)[j * rows : (j + 1) * rows])
-                       for j in range(blocks) for step in range(1, world)]
+        self.pushes = []
+        for j in range(blocks):
+            for step in range(1, world):
+                dst = (rank + step) % world
+                slot = ws.get_buffer(dst, (m, n), out_dtype, rank * chunk)
+                self.pushes.append((j, step, dst, self.counters[dst * blocks + j], slot[j * rows : (j + 1) * rows]))
 
-
-def _scatter_views(ws, m: int, n: int, out_dtype: torch.dtype, segment: int) -> _ScatterViews:
-    per_ws = _views.setdefault(ws, {})
-    key = ("scatter", m, n, out_dtype, segment)
-    v = per_ws.get(key)
-    if v is None or v.generation != ws.generation:
-        v = per_ws[key] = _ScatterViews(ws, m, n, out_dtype, segment)
-        if len(per_ws) > 64:
-            per_ws.clear()
-            per_ws[key] = v
-    return v

@@ -107,7 +107,6 @@ class CudaWorkspace(Workspace):
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
         self._awaited = {}  # a fresh signal pad is zeroed
-        self._signal_views: dict[tuple[int, int], torch.Tensor] = {}
         self._flags, why = _flag_region(handle, self.world_size)
         self._ops = streamops.load() if self._flags is not None else None
         if self._ops is None:
@@ -207,12 +206,8 @@ class CudaWorkspace(Workspace):
             raise ValueError("signal_flags requires the stream-operation flags, got torch's signal kernels")
         if not (0 <= first and count >= 0 and first + count <= FLAG_CHANNELS):
             raise ValueError(f"signal_flags requires channels within [0, {FLAG_CHANNELS}), got {first}..{first + count - 1}")
-        flags = self._signal_views.get((first, count))
-        if flags is None:  # (kept: a view of the pad costs tens of microseconds; the pad is replaced on growth)
-            offset = self._flag(1, first, 0) // 4
-            flags = self._signal_views[first, count] = self._handle.get_signal_pad(
-                self.rank, (count * self.world_size,), torch.uint32, offset)
-        return flags
+        offset = self._flag(1, first, 0) // 4
+        return self._handle.get_signal_pad(self.rank, (count * self.world_size,), torch.uint32, offset)
 
     def close(self) -> None:
         super().close()

@@ -211,3 +211,17 @@ def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
     with pytest.warns(RuntimeWarning, match="refused a direct launch"):
         launch((4,), (store[:8], 3, True), num_warps=4)
     assert not launch.fast and len(through_triton) == 5
+
+
+def test_kernel_path_declines_a_cpu_workspace_without_cuda_queries():
+    """On a CPU workspace the single-launch path names why it declines, twice (the second from
+    its per-problem answer), without a CUDA query (on a CPU-only torch those raise)."""
+    from asynctp.runtime import kernel_path
+
+    class Ws:
+        device, world_size = torch.device("cpu"), 2
+
+    ws, a = Ws(), torch.zeros(256, 64)
+    for _ in range(2):
+        assert kernel_path.gather_available(ws, a, 0, False, 64) == "the single-launch GEMM runs on CUDA"
+        assert kernel_path.scatter_available(ws, a, 64, 0, False) == "the single-launch GEMM runs on CUDA"

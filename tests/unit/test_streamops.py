@@ -56,7 +56,6 @@ def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=Fa
     ws.rank, ws.world_size, ws.op, ws.pending = rank, world, "test", None
     ws.device = SimpleNamespace(index=0)
     ws._ops, ws._flags, ws._awaited, ws.own_capture = RecordingOps(), ([1000, 2000, 3000], 0), {}, own_capture
-    ws._signal_views = {}
     ws.signature, ws.seq, ws.call = 1, 0, ("test", (), ())
     ws._handle = SimpleNamespace(barrier=lambda **kw: ws._ops.calls.append(("torch barrier", kw["channel"])))
     return ws, cuda
