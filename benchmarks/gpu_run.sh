@@ -30,7 +30,7 @@ for s in ${STEPS:-kernels ops bench}; do
              step 150 stages_${o}_${st}_$g python3 benchmarks/host_profile.py $R --op $o --strategy $st --graphs $g --stages --calls 50; done ;;
     hostdemo) step ${DEMO_LIMIT:-300} hostdemo python3 -m asynctp.cli demo --model 8b-block --host-profile --out $R/hostdemo ${HOSTDEMO_ARGS:-} ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
-    demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ;;
+    demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ${DEMO_ARGS:-} ;;
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
              step ${BENCH_LIMIT:-200} bench_${op}_${SHAPES:-seed} python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;

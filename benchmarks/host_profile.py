@@ -1,7 +1,7 @@
 """Where the host time of one fused call goes: cProfile of rank 0 over isolated calls, or the
 stages of a call timed without a profiler (--stages).
 
-    python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]
+    python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]  # --op: OPS (fp8: rowwise)
         [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0] [--stages]
 
 Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). Each profiled call
@@ -41,6 +41,18 @@ STAGES = [
     ("asynctp.ops.matmul_reduce_scatter", "_run_terms"),
     ("asynctp.symm.calls", "Calls.begin_call"),
     ("asynctp.symm.calls", "Calls.end_call"),
+    ("asynctp.ops.all_gather_scaled_matmul", "check_all_gather_scaled_matmul"),
+    ("asynctp.ops.scaled_matmul_reduce_scatter", "check_scaled_matmul_reduce_scatter"),
+    ("asynctp.ops.all_gather_scaled_matmul", "_run"),
+    ("asynctp.ops.all_gather_scaled_matmul", "_fused"),
+    ("asynctp.ops.scaled_matmul_reduce_scatter", "_run"),
+    ("asynctp.ops.scaled_matmul_reduce_scatter", "scatter_layout"),
+    ("asynctp.ops.all_gather_scaled_matmul", "gather_layout"),
+    ("asynctp.ops.all_gather_scaled_matmul", "make_plan"),
+    ("asynctp.ops.scaled_matmul_reduce_scatter", "make_plan"),
+    ("asynctp.ops.all_gather_scaled_matmul", "execute"),
+    ("asynctp.ops.scaled_matmul_reduce_scatter", "execute"),
+    ("asynctp.runtime.graphs", "GraphCache._eager"),
     ("asynctp.ops.all_gather_matmul", "make_plan"),
     ("asynctp.ops.matmul_reduce_scatter", "make_plan"),
     ("asynctp.ops.all_gather_matmul", "execute"),
@@ -131,7 +143,8 @@ def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, d
         _call(args.op, args.strategy, a, b, group)
     timer.reset()
     _, host = isolated_us(lambda: _call(args.op, args.strategy, a, b, group), args.calls, group, device)
-    text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {tuple(a.shape)} x {tuple(b.shape)} on {device}: "
+    shapes = " x ".join(str(tuple((t[0] if isinstance(t, tuple) else t).shape)) for t in (a, b))
+    text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {shapes} on {device}: "
             f"host time per call {host:.1f} us (median over {args.calls} isolated calls, slowest rank; stage timers "
             f"on)\n\n" + timer.table(args.calls))
     align_ranks(group, device)
@@ -144,9 +157,11 @@ def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, d
     align_ranks(group, device)
     text += (f"\nback to back (queued behind the previous calls): host time per call median "
              f"{statistics.median(queued):.1f} us, min {min(queued):.1f} us\n\n" + timer.table(args.calls))
-    full = torch.empty(a.shape[0] * (2 if args.op == "all_gather_matmul" else 1), a.shape[1], device=device,
-                       dtype=a.dtype)
-    _, mm = isolated_us(lambda: torch.mm(full, b), args.calls, group, device)
+    rows, b_mm = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+    full = torch.randn(rows.shape[0] * (2 if args.op.startswith("all_gather") else 1), rows.shape[1],
+                       device=device).to(torch.bfloat16)
+    b_mm = b_mm.to(torch.bfloat16)
+    _, mm = isolated_us(lambda: torch.mm(full, b_mm), args.calls, group, device)
     text += f"\ntorch.mm on the full rows, host time per call {mm:.1f} us (median, slowest rank)\n"
     if rank == 0:
         path = os.path.join(args.out, f"host_stages_{args.op}_{args.strategy}_graphs{args.graphs}.txt")
@@ -155,12 +170,36 @@ def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, d
         print(text)
 
 
-def _call(op: str, strategy: str, a: torch.Tensor, b: torch.Tensor, group):
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_scaled_matmul_rowwise",
+       "scaled_matmul_reduce_scatter_rowwise")
+
+
+def _call(op: str, strategy: str, a, b, group):
+    """One call of `op`; fp8 ops take a = (rows, row scales), b = (weight.t(), column scales)."""
     import asynctp
 
     if op == "all_gather_matmul":
         return asynctp.all_gather_matmul(a, [b], 0, group, return_a=False, strategy=strategy)
-    return asynctp.matmul_reduce_scatter(a, b, 0, group, strategy=strategy)
+    if op == "matmul_reduce_scatter":
+        return asynctp.matmul_reduce_scatter(a, b, 0, group, strategy=strategy)
+    (a8, a_scale), (b8, b_scale) = a, b
+    if op == "all_gather_scaled_matmul_rowwise":
+        return asynctp.all_gather_scaled_matmul(a8, [b8], a_scale, [b_scale], 0, group, return_a=False,
+                                                strategy=strategy)
+    return asynctp.scaled_matmul_reduce_scatter(a8, b8, a_scale, b_scale, 0, group, strategy=strategy)
+
+
+def _operands(op: str, m: int, n: int, k: int, world: int, device: torch.device):
+    """(a, b) of one call of `op` (see _call), seeded by rank."""
+    gather = op.startswith("all_gather")
+    rows, depth = (m // world, k) if gather else (m, k // world)
+    if "scaled" not in op:
+        return (torch.randn(rows, depth, device=device, dtype=torch.bfloat16),
+                torch.randn(depth, n, device=device, dtype=torch.bfloat16))
+    f8 = torch.float8_e4m3fn
+    a = (torch.randn(rows, depth, device=device).to(f8), torch.rand(rows, 1, device=device) + 0.5)
+    b = (torch.randn(n, depth, device=device).to(f8).t(), torch.rand(1, n, device=device) + 0.5)
+    return a, b
 
 
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
@@ -171,15 +210,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
     group = dist.group.WORLD
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16
     m, n, k = (args.m, args.n, args.k) if cuda else (256, 128, 256)
     torch.manual_seed(rank)
-    if args.op == "all_gather_matmul":
-        a = torch.randn(m // world, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-    else:
-        a = torch.randn(m, k // world, device=device, dtype=dtype)
-        b = torch.randn(k // world, n, device=device, dtype=dtype)
+    a, b = _operands(args.op, m, n, k, world, device)
 
     if args.stages:
         _stages(args, a, b, group, device, rank)
@@ -215,7 +248,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--op", default="all_gather_matmul", choices=("all_gather_matmul", "matmul_reduce_scatter"))
+    p.add_argument("--op", default="all_gather_matmul", choices=OPS)
     p.add_argument("--strategy", default="fused")
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--n", type=int, default=3584)

@@ -168,8 +168,9 @@ def fused_scaled_all_gather_exact() -> int:
 
 def fused_graph_replays() -> dict:
     """The single-launch path captured into asynctp's own CUDA graphs (ASYNCTP_GRAPHS=1) and
-    replayed: inputs at fixed addresses, changed in place between calls, are read anew; every
-    result equals serial bit for bit (small integers); the kernel path served the captures.
+    replayed, bf16 and fp8 rowwise, all-gather and reduce-scatter: inputs at fixed addresses,
+    changed in place between calls, are read anew; every result equals serial bit for bit
+    (small integers, powers-of-two scales); the kernel path served the captures.
     Returns the graph cache's counts."""
     from asynctp.runtime import graphs
 
@@ -179,21 +180,42 @@ def fused_graph_replays() -> dict:
     b_ag = ints((256, 384), 3, BF16, "cuda")
     a_rs = torch.empty((512 * ws, 256), dtype=BF16, device="cuda")
     b_rs = ints((256, 320), 4, BF16, "cuda")
+    # fp8 rowwise: powers-of-two scales, fp32 sums exact, one rounding on both paths
+    f8 = torch.float8_e4m3fn
+    a8_rs = torch.empty((512 * ws, 256), dtype=f8, device="cuda")
+    s8_rs = torch.empty((512 * ws, 1), dtype=torch.float32, device="cuda")
+    w8 = ints((320, 256), 5, torch.float32, "cuda", low=-1, high=2).to(f8)
+    ws8 = 2.0 ** ints((1, 320), 6, torch.float32, "cuda", low=-2, high=1)
+    a8_ag = torch.empty((512, 256), dtype=f8, device="cuda")
+    s8_ag = torch.empty((512, 1), dtype=torch.float32, device="cuda")
     workspace = asynctp.get_workspace(g, "cuda")
     with kernel_path_calls() as served, asynctp.config.override(graphs="1"):
         before = graphs.stats(workspace)
         for i in range(6):
             a_ag.copy_(ints(a_ag.shape, 50 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
             a_rs.copy_(ints(a_rs.shape, 51 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
+            a8_rs.copy_(ints(a8_rs.shape, 52 + 10 * i + rank, torch.float32, "cuda", low=-1, high=2).to(f8))
+            s8_rs.copy_(2.0 ** ints(s8_rs.shape, 53 + 10 * i + rank, torch.float32, "cuda", low=-2, high=1))
+            a8_ag.copy_(ints(a8_ag.shape, 54 + 10 * i + rank, torch.float32, "cuda", low=-1, high=2).to(f8))
+            s8_ag.copy_(2.0 ** ints(s8_ag.shape, 55 + 10 * i + rank, torch.float32, "cuda", low=-2, high=1))
             got_a, (got,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="fused")
             want_a, (want,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="serial")
             assert torch.equal(got_a, want_a) and torch.equal(got, want), ("all-gather", i)
             got = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="fused")
             want = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="serial")
             assert torch.equal(got, want), ("reduce-scatter", i, (got.double() - want.double()).abs().max())
-            del got_a, got  # the outputs let go: the next call may replay into them
+            got8 = asynctp.scaled_matmul_reduce_scatter(a8_rs, w8.t(), s8_rs, ws8, 0, g, strategy="fused")
+            want8 = asynctp.scaled_matmul_reduce_scatter(a8_rs, w8.t(), s8_rs, ws8, 0, g, strategy="serial")
+            assert torch.equal(got8, want8), ("fp8 reduce-scatter", i, (got8.double() - want8.double()).abs().max())
+            _, (got8_ag,) = asynctp.all_gather_scaled_matmul(a8_ag, [w8.t()], s8_ag, [ws8], 0, g, return_a=False,
+                                                          strategy="fused")
+            _, (want8_ag,) = asynctp.all_gather_scaled_matmul(a8_ag, [w8.t()], s8_ag, [ws8], 0, g, return_a=False,
+                                                           strategy="serial")
+            assert torch.equal(got8_ag, want8_ag), ("fp8 all-gather", i)
+            del got_a, got, got8, got8_ag  # the outputs let go: the next call may replay into them
         after = graphs.stats(workspace)
     counts = {k: after[k] - before[k] for k in ("eager", "captured", "replayed")}
     assert {"gather_matmul", "matmul_scatter"} <= set(served), served
-    assert counts["captured"] >= 2 and counts["replayed"] >= 6, counts  # per op: eager, capture, replays
+    # per op (4): eager, capture, replays
+    assert counts["captured"] >= 4 and counts["replayed"] >= 4 * 4, counts
     return counts

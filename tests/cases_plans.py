@@ -142,3 +142,21 @@ def replicated_input_warns(device: str) -> list[str]:
         model(x)
         model(x)
     return [str(w.message) for w in caught if "AsyncColwiseParallel" in str(w.message)]
+
+
+def no_comm_run_after_vanilla_sends_nothing() -> list[str]:
+    """The demo's no-communication baseline right after a vanilla run over the real group (the
+    demo's order): the process group's collectives it issued (torch.profiler's "gloo:" ranges).
+    A fake mesh equal to the real one (DeviceMesh equality ignores the group) reused DTensor's
+    cached shardings of the real mesh and sent activations over the real group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from asynctp.demo.model import SIZES
+    from asynctp.demo.train import VARIANTS, TrainSettings, train
+
+    settings = TrainSettings(cfg=SIZES["tiny"], steps=2, dtype=torch.float32, lr=1e-3, warmup=1)
+    mesh, device = _mesh("cpu"), torch.device("cpu")
+    train(VARIANTS["vanilla"], settings, mesh, device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train(VARIANTS["no-comm"], settings, mesh, device)
+    return sorted({e.name for e in prof.events() if e.name.startswith("gloo:")})

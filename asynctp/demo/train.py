@@ -312,7 +312,10 @@ def _fake_mesh(mesh: DeviceMesh) -> DeviceMesh:
             raise RuntimeError(f"the no-communication baseline requires torch's fake process group, "
                                f"got an import error: {exc}") from exc
         group = dist.new_group(ranks=list(ranks), backend="fake")
-        _FAKE_MESHES[key] = DeviceMesh.from_group(group, mesh.device_type)
+        # a dim name of its own: DeviceMesh equality ignores the process group, and DTensor's
+        # sharding cache keeps the mesh of the first equal one it saw, so an unnamed fake mesh
+        # made after a run over the real one sent its "skipped" collectives over the real group
+        _FAKE_MESHES[key] = DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("no_comm",))
     return _FAKE_MESHES[key]
 
 

@@ -41,12 +41,10 @@ def execute(
     decomposed: Callable[[Transport], R],
     key: Callable[[], tuple],
     fused: Callable[[Workspace], R | None] | None = None,
-    fused_in_graph: bool = True,
 ) -> R:
     """The call's result. fused(ws) returns None where the kernel path cannot serve the call.
-    key(): everything a captured graph of the call depends on (built only where one may be).
-    fused_in_graph=False: the fused call runs before, outside the graph cache (for an op whose key
-    does not name the strategy, so a graph of one must not replay for the other)."""
+    key(): everything a captured graph of the call depends on, the strategy included (built only
+    where one may be)."""
     if plan.strategy == "serial":
         return serial()
     if plan.strategy == "ring":
@@ -54,11 +52,6 @@ def execute(
     ws = plan.ws
     assert ws is not None, f"{op}: strategy {plan.strategy!r} requires a workspace"
     kernel = fused if plan.strategy == "fused" else None
-    if kernel is not None and not fused_in_graph:
-        result = kernel(ws)
-        if result is not None:
-            return result
-        kernel = None
     transport = SymmTransport(ws, plan.splits, plan.lockstep)
 
     def body() -> R:

@@ -126,11 +126,11 @@ def _run(a, b, a_scale, b_scale, dim, rowwise, group, out_dtype, bias, reduce_op
 
     def key() -> tuple:
         return ("scaled_matmul_reduce_scatter", tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
-                tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, plan.splits, graphs.settings())
+                tensor_key(bias), dim, out_dtype, reduce_op, use_fast_accum, plan.splits, plan.strategy,
+                graphs.settings())
 
-    # the key does not name the strategy: the single-launch call runs outside the graph cache
     return execute("scaled_matmul_reduce_scatter", plan, group, a.device, serial=serial, decomposed=decomposed,
-                   key=key, fused=fused, fused_in_graph=False)
+                   key=key, fused=fused)
 
 
 @_scaled_matmul_reduce_scatter_op.register_fake

@@ -63,3 +63,11 @@ def test_async_colwise_warns_on_replicated_input(pool):
     from tests import cases_plans
 
     assert len(pool.run(cases_plans.replicated_input_warns, DEVICE)[0]) == 1
+
+
+def test_demo_no_comm_baseline_after_vanilla_sends_nothing(pool):
+    from tests import cases_plans
+
+    if pool.world_size != 2:
+        pytest.skip("the tiny demo model splits over 2 ranks")
+    assert pool.run(cases_plans.no_comm_run_after_vanilla_sends_nothing) == [[], []]
