@@ -32,7 +32,7 @@ def profile_steps(step: Callable[[], Any], num_steps: int) -> dict[str, float]:
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     sync()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         start = time.perf_counter()
         for _ in range(num_steps):
             step()
@@ -47,7 +47,19 @@ def profile_steps(step: Callable[[], Any], num_steps: int) -> dict[str, float]:
     for kind in ("comm", "compute"):
         top = sorted(((t, n) for (k, n), t in by_name.items() if k == kind), reverse=True)[:8]
         per_step[f"top_{kind}_kernels_ms"] = {n[:120]: round(t / num_steps / 1000.0, 3) for t, n in top}
+    per_step["collectives_per_step"] = _collectives(prof, num_steps)
     return per_step
+
+
+def _collectives(prof: Any, num_steps: int) -> dict[str, float]:
+    """The process groups' collectives the host issued ("nccl:" / "gloo:" ranges), by name and
+    input shapes: calls per step (which collectives a plan leaves to the process group)."""
+    counts: dict[str, int] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CPU and evt.name.startswith(("nccl:", "gloo:")):
+            key = f"{evt.name} {evt.input_shapes}"[:160]
+            counts[key] = counts.get(key, 0) + 1
+    return {k: round(v / num_steps, 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:16]}
 
 
 def host_profile(queue_step: Callable[[torch.Tensor], Any], batches: list[torch.Tensor], device: torch.device,

@@ -182,6 +182,25 @@ def test_profile_steps_runs_without_gpu_kernels():
     if not torch.cuda.is_available():
         assert out["comm_ms"] == out["exposed_comm_ms"] == 0.0
         assert out["top_comm_kernels_ms"] == {}
+    assert out["collectives_per_step"] == {}
+
+
+def test_profile_steps_counts_the_process_groups_collectives():
+    """Each collective the host issued, by name and input shapes, per step."""
+    import torch.distributed as dist
+
+    from asynctp.demo.profile import profile_steps
+
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    if group is None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(8, 4)
+        out = profile_steps(lambda: (dist.all_reduce(t, group=group), dist.all_reduce(t, group=group)), 3)
+    finally:
+        if group is None:
+            dist.destroy_process_group()
+    assert out["collectives_per_step"] == {"gloo:all_reduce [[8, 4]]": 2.0}, out["collectives_per_step"]
 
 
 def test_control_nudges_one_weight_by_one_ulp():
