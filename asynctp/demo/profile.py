@@ -96,7 +96,10 @@ def _kernel_intervals(prof: Any) -> tuple[list[Interval], list[Interval], dict[t
     comm, compute = [], []
     by_name: dict[tuple[str, str], float] = {}
     for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
+        # GPU-side annotations (a compiled graph's "## Call CompiledFxGraph ##", record_function
+        # ranges such as "Optimizer.step", "nccl:...") span kernels and idle gaps alike: counted
+        # as compute they covered a compiled step's whole communication (exposed 0.0)
+        if evt.device_type != torch.autograd.DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
             continue
         interval = (float(evt.time_range.start), float(evt.time_range.end))
         if interval[1] <= interval[0]:

@@ -185,6 +185,25 @@ def test_profile_steps_runs_without_gpu_kernels():
     assert out["collectives_per_step"] == {}
 
 
+def test_profile_kernel_intervals_skip_gpu_annotations():
+    """A compiled graph's GPU-side annotation spans its kernels and the gaps between them: only
+    kernels and copies are classified."""
+    from types import SimpleNamespace
+
+    from asynctp.demo.profile import _kernel_intervals, exposed_time
+
+    def evt(name, lo, hi, annotation=False, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=lo, end=hi))
+
+    events = [evt("## Call CompiledFxGraph abc ##", 0, 100, annotation=True), evt("nvjet_gemm", 0, 40),
+              evt("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 40, 70), evt("nccl:reduce_scatter", 40, 70, True),
+              evt("aten::mm", 0, 100, device=torch.autograd.DeviceType.CPU)]
+    comm, compute, by_name = _kernel_intervals(SimpleNamespace(events=lambda: events))
+    assert exposed_time(comm, compute) == {"comm_ms": 30.0, "exposed_comm_ms": 30.0, "compute_ms": 40.0}
+    assert set(by_name) == {("compute", "nvjet_gemm"), ("comm", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL")}
+
+
 def test_profile_steps_counts_the_process_groups_collectives():
     """Each collective the host issued, by name and input shapes, per step."""
     import torch.distributed as dist
