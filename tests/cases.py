@@ -554,3 +554,21 @@ def graph_replays() -> list[dict]:
         else:
             assert counts[-1]["replayed"] == counts[-1]["captured"] == 0, counts[-1]
     return counts
+
+
+def fused_on_cpu_counted_as_decomposed(device: str) -> dict[str, int]:
+    """strategy="fused" where the single-launch GEMM cannot serve (the cpu backend): the
+    decomposition runs, exact against serial, and ops.dispatch.calls() counts the call under
+    both "fused" and "fused: decomposed". Returns the counts' change."""
+    from asynctp.ops import dispatch
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    a = torch.randn(8, 16, device=device, generator=torch.Generator().manual_seed(rank))
+    b = torch.randn(16, 12, device=device, generator=torch.Generator().manual_seed(99))
+    before = dispatch.calls()
+    _, (got,) = asynctp.all_gather_matmul(a, [b], 0, g, strategy="fused")
+    after = dispatch.calls()
+    _, (want,) = asynctp.all_gather_matmul(a, [b], 0, g, strategy="serial")
+    assert torch.equal(got, want)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

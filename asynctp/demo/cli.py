@@ -320,6 +320,10 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
                   f"CUDA graphs, {calls['replayed']} replayed; last step: {last.get('eager')} eager"
                   + (f" ({why})" if why else "") + f", {last.get('captured')} captured, {last.get('replayed')} replayed")
     for r in runs:
+        if r.get("op_calls"):
+            print(f"{r['name']}: asynctp calls (rank 0), by op and strategy: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(r["op_calls"].items())))
+    for r in runs:
         if r.get("fusion_report"):
             print(f"{r['name']}: {r['fusion_report']}")
     if any(r.get("fusion_report") for r in runs) and not settings.compile:

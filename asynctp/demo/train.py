@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from asynctp.demo.data import MarkovTokens
 from asynctp.demo.model import ModelConfig, Transformer
 from asynctp.demo.plan import parallelize
+from asynctp.ops import dispatch
 
 __all__ = ["Variant", "TrainSettings", "train", "train_interleaved", "VARIANTS"]
 
@@ -95,6 +96,7 @@ class RunResult:
     fusion: str | None = None  # the asynctp pass's report, first line (asynctp-pass runs)
     graph_calls: dict[str, int] | None = None  # pipelined calls run eagerly / captured / replayed
     graph_calls_last_step: dict[str, int] | None = None  # the same, of the last step alone
+    op_calls: dict[str, int] | None = None  # asynctp's calls by op and strategy (ops.dispatch.calls)
     no_comm: bool = False  # the collectives were skipped: its losses mean nothing
 
 
@@ -206,6 +208,7 @@ class _Run:
         self.data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
         self.result = RunResult(variant.name, no_comm=variant.no_comm)
         self.result.graph_calls = {"eager": 0, "captured": 0, "replayed": 0}
+        self._op_calls = dispatch.calls()
 
     def steps(self, count: int) -> list[tuple[float, float]]:
         """`count` steps queued back to back, the host waiting for the GPU only after the last;
@@ -239,6 +242,8 @@ class _Run:
 
     def finish(self) -> RunResult:
         """Profile (when asked), free the model, and return the record."""
+        now = dispatch.calls()
+        self.result.op_calls = {k: v - self._op_calls.get(k, 0) for k, v in now.items() if v > self._op_calls.get(k, 0)}
         self._profile()
         del self.model, self.opt
         if self.device.type == "cuda":
@@ -379,6 +384,7 @@ def summarize(result: RunResult, settings: TrainSettings, world_size: int) -> di
            {"peak_memory_missing": "interleaved" if settings.interleave else "cpu"}),
         "graph_calls": result.graph_calls,
         "graph_calls_last_step": result.graph_calls_last_step,
+        "op_calls": result.op_calls,
         "final_loss": result.losses[-1],
         "final_loss_mean5": sum(tail) / len(tail),
         "losses": result.losses,

@@ -14,6 +14,7 @@ of a call; this module decides how it is executed.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,9 +27,17 @@ from asynctp.runtime.ring import RingTransport
 from asynctp.runtime.transport import Transport
 from asynctp.symm import Workspace
 
-__all__ = ["execute"]
+__all__ = ["execute", "calls"]
 
 R = TypeVar("R")
+_calls: Counter = Counter()  # (op, how) -> calls in this process
+
+
+def calls() -> dict[str, int]:
+    """Calls per "op strategy" in this process, eager and replayed alike; "op fused: decomposed"
+    counts the eager or captured calls the single-launch GEMM declined (the decomposition ran)."""
+    return {f"{op} {how}": n for (op, how), n in _calls.items()}
+
 
 
 def execute(
@@ -45,6 +54,7 @@ def execute(
     """The call's result. fused(ws) returns None where the kernel path cannot serve the call.
     key(): everything a captured graph of the call depends on, the strategy included (built only
     where one may be)."""
+    _calls[op, plan.strategy] += 1
     if plan.strategy == "serial":
         return serial()
     if plan.strategy == "ring":
@@ -59,6 +69,7 @@ def execute(
             result = kernel(ws)
             if result is not None:
                 return result
+            _calls[op, "fused: decomposed"] += 1
         return decomposed(transport)
 
     return graphs.call(ws, op, key(), body)

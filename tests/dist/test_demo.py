@@ -20,6 +20,10 @@ def test_demo_cpu_path_writes_json(tmp_path, capsys):
     assert max(abs(a - b) for a, b in zip(vanilla["losses"], fused["losses"])) <= 1e-5
     assert vanilla["tokens_per_s"] > 0 and fused["step_time_s"] > 0
     assert record["comparison"]["asynctp"]["max_rel_loss_diff"] <= 1e-5
+    # which strategy served asynctp's calls (the cpu backend runs the pipeline); vanilla makes none
+    assert not vanilla["op_calls"] and fused["op_calls"], (vanilla["op_calls"], fused["op_calls"])
+    assert set(fused["op_calls"]) >= {"all_gather_matmul pipeline", "matmul_reduce_scatter pipeline"}, fused["op_calls"]
+    assert "asynctp calls (rank 0), by op and strategy: " in printed
 
 
 def test_demo_refuses_gpu_only_flags_on_cpu(capsys):

@@ -98,3 +98,8 @@ def test_world_size_4(pool4, strategy):
     per source, pushes to several owners)."""
     assert pool4.run(cases.all_gather_matmul_grid, DEVICE, "float32", strategy)[0] == 28
     assert pool4.run(cases.matmul_reduce_scatter_grid, DEVICE, "bfloat16", strategy)[0] == 28
+
+
+def test_fused_without_the_gemm_runs_the_decomposition_and_is_counted(pool):
+    counts = pool.run(cases.fused_on_cpu_counted_as_decomposed, DEVICE)
+    assert counts == [{"all_gather_matmul fused": 1, "all_gather_matmul fused: decomposed": 1}] * pool.world_size
