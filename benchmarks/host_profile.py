@@ -1,15 +1,16 @@
 """Where the host time of one fused call goes: cProfile of rank 0 over isolated calls, or the
 stages of a call timed without a profiler (--stages).
 
-    python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]  # --op: OPS (fp8: rowwise)
+    python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]  # --op: a bench op
         [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0] [--stages]
 
-Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). Each profiled call
-starts on an idle GPU (the ranks line up first), as `asynctp bench`'s isolated calls do. Writes
+Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). The call is the
+bench's own (`asynctp.bench.cases`, a row M x N x K as in asynctp/bench/shapes.py). Each profiled
+call starts on an idle GPU (the ranks line up first), as `asynctp bench`'s isolated calls do. Writes
 OUT_DIR/host_profile_<op>_<strategy>_graphs<G>.txt: the host time per call (median), then the functions by
 own time and by cumulative time. --stages writes host_stages_<op>_<strategy>_graphs<G>.txt instead:
 each stage's (STAGES: a function of the call path, wrapped by a timer) calls and inclusive host
-time per op call, beside torch.mm's and torch's fused op's host time on the same operands.
+time per op call, beside the host time of the op's local matmul alone (the bench's compute bound).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asynctp.bench.cases import CASES
 from asynctp.bench.launch import SAFE_ENV
 from asynctp.bench.timing import align_ranks, isolated_us
 
@@ -137,14 +139,14 @@ class StageTimer:
         return "\n".join(rows) + "\n"
 
 
-def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, device, rank: int) -> None:
+def _stages(args: argparse.Namespace, problem, group, device, rank: int) -> None:
+    call = lambda: problem.asynctp(args.strategy)  # noqa: E731
     timer = StageTimer(STAGES)
     for _ in range(5):
-        _call(args.op, args.strategy, a, b, group)
+        call()
     timer.reset()
-    _, host = isolated_us(lambda: _call(args.op, args.strategy, a, b, group), args.calls, group, device)
-    shapes = " x ".join(str(tuple((t[0] if isinstance(t, tuple) else t).shape)) for t in (a, b))
-    text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {shapes} on {device}: "
+    _, host = isolated_us(call, args.calls, group, device)
+    text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {args.m}x{args.n}x{args.k} on {device}: "
             f"host time per call {host:.1f} us (median over {args.calls} isolated calls, slowest rank; stage timers "
             f"on)\n\n" + timer.table(args.calls))
     align_ranks(group, device)
@@ -152,17 +154,14 @@ def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, d
     queued = []
     for _ in range(args.calls):  # back to back: the GPU still busy with the previous calls
         t0 = time.perf_counter()
-        _call(args.op, args.strategy, a, b, group)
+        call()
         queued.append((time.perf_counter() - t0) * 1e6)
     align_ranks(group, device)
     text += (f"\nback to back (queued behind the previous calls): host time per call median "
              f"{statistics.median(queued):.1f} us, min {min(queued):.1f} us\n\n" + timer.table(args.calls))
-    rows, b_mm = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
-    full = torch.randn(rows.shape[0] * (2 if args.op.startswith("all_gather") else 1), rows.shape[1],
-                       device=device).to(torch.bfloat16)
-    b_mm = b_mm.to(torch.bfloat16)
-    _, mm = isolated_us(lambda: torch.mm(full, b_mm), args.calls, group, device)
-    text += f"\ntorch.mm on the full rows, host time per call {mm:.1f} us (median, slowest rank)\n"
+    _, mm = isolated_us(problem.compute_bound, args.calls, group, device)
+    text += (f"\nthe op's local matmul alone (the bench's compute bound), host time per call {mm:.1f} us "
+             "(median, slowest rank)\n")
     if rank == 0:
         path = os.path.join(args.out, f"host_stages_{args.op}_{args.strategy}_graphs{args.graphs}.txt")
         with open(path, "w") as f:
@@ -170,39 +169,10 @@ def _stages(args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor, group, d
         print(text)
 
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_scaled_matmul_rowwise",
-       "scaled_matmul_reduce_scatter_rowwise")
-
-
-def _call(op: str, strategy: str, a, b, group):
-    """One call of `op`; fp8 ops take a = (rows, row scales), b = (weight.t(), column scales)."""
-    import asynctp
-
-    if op == "all_gather_matmul":
-        return asynctp.all_gather_matmul(a, [b], 0, group, return_a=False, strategy=strategy)
-    if op == "matmul_reduce_scatter":
-        return asynctp.matmul_reduce_scatter(a, b, 0, group, strategy=strategy)
-    (a8, a_scale), (b8, b_scale) = a, b
-    if op == "all_gather_scaled_matmul_rowwise":
-        return asynctp.all_gather_scaled_matmul(a8, [b8], a_scale, [b_scale], 0, group, return_a=False,
-                                                strategy=strategy)
-    return asynctp.scaled_matmul_reduce_scatter(a8, b8, a_scale, b_scale, 0, group, strategy=strategy)
-
-
-def _operands(op: str, m: int, n: int, k: int, world: int, device: torch.device):
-    """(a, b) of one call of `op` (see _call), seeded by rank."""
-    gather = op.startswith("all_gather")
-    rows, depth = (m // world, k) if gather else (m, k // world)
-    if "scaled" not in op:
-        return (torch.randn(rows, depth, device=device, dtype=torch.bfloat16),
-                torch.randn(depth, n, device=device, dtype=torch.bfloat16))
-    f8 = torch.float8_e4m3fn
-    a = (torch.randn(rows, depth, device=device).to(f8), torch.rand(rows, 1, device=device) + 0.5)
-    b = (torch.randn(n, depth, device=device).to(f8).t(), torch.rand(1, n, device=device) + 0.5)
-    return a, b
-
-
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
+    from asynctp.bench.cases import CASES
+    from asynctp.bench.shapes import Shape
+
     os.environ["ASYNCTP_GRAPHS"] = args.graphs
     cuda = torch.cuda.device_count() >= world
     if cuda:
@@ -210,16 +180,17 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
     group = dist.group.WORLD
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    m, n, k = (args.m, args.n, args.k) if cuda else (256, 128, 256)
-    torch.manual_seed(rank)
-    a, b = _operands(args.op, m, n, k, world, device)
+    if not cuda:
+        args.m, args.n, args.k = 256, 128, 256
+    # the bench's own call of the op (asynctp bench --op), on a row of this size
+    problem = CASES[args.op].build(Shape("host_profile", "", args.m, args.n, args.k), torch.bfloat16, group, device, 0)
 
     if args.stages:
-        _stages(args, a, b, group, device, rank)
+        _stages(args, problem, group, device, rank)
         dist.destroy_process_group()
         return
     for _ in range(5):
-        _call(args.op, args.strategy, a, b, group)
+        problem.asynctp(args.strategy)
     align_ranks(group, device)
     profile = cProfile.Profile()
     host = []
@@ -227,13 +198,13 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
         align_ranks(group, device)
         t0 = time.perf_counter()
         profile.enable()
-        _call(args.op, args.strategy, a, b, group)
+        problem.asynctp(args.strategy)
         profile.disable()
         host.append((time.perf_counter() - t0) * 1e6)
     align_ranks(group, device)
     if rank == 0:
         text = io.StringIO()
-        text.write(f"{args.op} strategy={args.strategy} graphs={args.graphs} {m}x{n}x{k} on {device}: "
+        text.write(f"{args.op} strategy={args.strategy} graphs={args.graphs} {args.m}x{args.n}x{args.k} on {device}: "
                    f"host time per call (profiled) median {statistics.median(host):.0f} us, "
                    f"min {min(host):.0f} us over {args.calls} calls\n\n")
         for order in ("tottime", "cumulative"):
@@ -248,8 +219,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--op", default="all_gather_matmul", choices=OPS)
+    p.add_argument("--op", default="all_gather_matmul", choices=sorted(CASES))
     p.add_argument("--strategy", default="fused")
+    # a bench row, M x N x K (asynctp/bench/shapes.py); default: seed M 4096
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--n", type=int, default=3584)
     p.add_argument("--k", type=int, default=8192)
