@@ -7,11 +7,11 @@ serial by 1.3-1.5x. Replaying a captured graph costs the host about 10 us.
 
 How: a call's key is its op, every input tensor's address, shape, strides and dtype, its scalars
 and the settings that shape the pipeline. A key's first call runs eagerly (warming cuBLAS, sizing
-the workspace); its second is captured on a capture stream and replayed; later calls replay. A
-replay reads the inputs' current contents and writes its outputs into a private pool. Outputs are
-never overwritten while the caller holds them: a graph is replayed only when no tensor outside the
-cache shares its outputs' storage (torch's storage use count); otherwise another graph is captured
-for the key (up to MAX_PER_KEY), or the call runs eagerly.
+the workspace); its second (auto: see When) is captured on a capture stream and replayed; later
+calls replay. A replay reads the inputs' current contents and writes its outputs into a private
+pool. Outputs are never overwritten while the caller holds them: a graph is replayed only when no
+tensor outside the cache shares its outputs' storage (torch's storage use count); otherwise another
+graph is captured for the key (up to MAX_PER_KEY), or the call runs eagerly.
 
 Safe across ranks: barriers and signals are the same flags, set and reset, whether eager or
 replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or captures. A workspace
@@ -20,21 +20,23 @@ that grows drops its graphs; every rank grows at the same call.
 Not used: on CPU, inside the caller's own capture, under torch.compile's tracing, with
 ASYNCTP_GRAPHS=0. A shape with WASTED_PER_SHAPE graphs never replayed (inputs whose addresses recur
 only now and then) is no longer captured, with one warning: a capture costs milliseconds of host
-time. Memory: each graph keeps its intermediates and outputs; at most MAX_GRAPHS (64)
-graphs per workspace, least recently used dropped first; clear() drops them all, and a
-workspace's go when it is closed (asynctp.reset) or collected.
+time. Memory: each graph keeps its intermediates and outputs; at most MAX_GRAPHS (64) graphs per
+workspace, least recently used dropped first; clear() drops them all, and a workspace's go when it
+is closed (asynctp.reset) or collected.
 
 When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
 large matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200,
 8B-shaped block, batch 2: 129.8 ms a step with and without graphs; peak reserved 33.9 GiB with,
-17.6 without). So a key is captured only at a sighting where the GPU was less than LAG_SECONDS
-(10 ms, runtime/lag.py) behind the host; a key found behind at DECIDE_SIGHTINGS sightings runs
-eagerly ("gpu-bound") until it is seen with the GPU idle at DECIDE_SIGHTINGS sightings in a row
-(the calls turned host-bound; a loop that waits for the GPU every few steps sees a key idle once
-per wait, which never undoes it). Keys under SMALL_CALL_BYTES of inputs and outputs are captured
-at their second call regardless: little memory, and at a run's start one rank's compilation
-stalls make its peer look "behind" (2xH200, a tiny fp8 model: 21 of 23 calls of one rank left
-eager). ASYNCTP_GRAPHS=1 captures every key at its second call; 0 never captures.
+17.6 without). So a key is captured only once the GPU was less than LAG_SECONDS (10 ms,
+runtime/lag.py) behind the host at CAPTURE_SIGHTINGS of its sightings in a row: a loop that waits
+for the GPU every few steps sees its keys idle once per wait, and graphs would only hold memory
+(compiled 8B-shaped stack, batch 1, a wait every 10 steps: 34 graphs, 1.16x vanilla's peak). A key
+found behind at DECIDE_SIGHTINGS sightings runs eagerly ("gpu-bound", as do the sightings before a
+capture) until it is seen idle at DECIDE_SIGHTINGS sightings in a row (the calls turned
+host-bound). Keys under SMALL_CALL_BYTES of inputs and outputs are captured at their second call
+regardless: little memory, and at a run's start one rank's compilation stalls make its peer look
+"behind" (2xH200, a tiny fp8 model: 21 of 23 calls of one rank left eager). ASYNCTP_GRAPHS=1
+captures every key at its second call; 0 never captures.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ __all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", 
 
 MAX_GRAPHS = 64  # per workspace
 DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
+CAPTURE_SIGHTINGS = 3  # auto: sightings in a row on an idle GPU (the first included) before a large key is captured
 SMALL_CALL_BYTES = 32 << 20  # auto: a key with fewer bytes of inputs + outputs is captured regardless of the queue
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
 WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
-_SEEN_KEYS = 512  # keys seen once (their next call is captured), least recent forgotten
+_SEEN_KEYS = 512  # keys seen but not captured yet, least recent forgotten
 
 _use_count = torch._C._storage_Use_Count
 
@@ -73,13 +76,8 @@ def enabled() -> bool:
 
 def usable(ws: Any) -> bool:
     """Whether this call may go through the graph cache of `ws`."""
-    return (
-        ws is not None
-        and ws.backend == "cuda"
-        and enabled()
-        and not torch.cuda.is_current_stream_capturing()
-        and not torch.compiler.is_compiling()
-    )
+    return (ws is not None and ws.backend == "cuda" and enabled()
+            and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling())
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -112,14 +110,7 @@ def _flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
 
 
 def _unflatten(tensors: list[torch.Tensor], spec: Any) -> Any:
-    if spec is None:
-        return tensors[0]
-    return (tensors[0], tensors[1:]) if spec else (None, tensors)
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor (not a view: no _base) on t's storage, raising its use count (detach: cheap)."""
-    return t.detach()
+    return tensors[0] if spec is None else ((tensors[0], tensors[1:]) if spec else (None, tensors))
 
 
 class _Entry:
@@ -147,7 +138,8 @@ class _Entry:
         return True
 
     def result(self) -> Any:
-        return _unflatten([_alias(t) for t in self.outs], self.spec)
+        # new tensors (not views: no _base) on the outputs' storages, raising their use counts
+        return _unflatten([t.detach() for t in self.outs], self.spec)
 
 
 def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
@@ -182,7 +174,8 @@ class GraphCache:
         self.lag = lag or Lag()
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
-        self._seen: OrderedDict[tuple, int] = OrderedDict()  # key -> bytes of its inputs + first outputs
+        # key -> (bytes of its inputs + first outputs, its sightings in a row on an idle GPU (auto))
+        self._seen: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
         self._calls = 0  # calls through this cache
         self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
@@ -193,7 +186,8 @@ class GraphCache:
         # why calls ran eagerly: "new key" (its first sighting: inputs at addresses not seen
         # lately), "outputs held" (every graph of the key has outputs the caller still holds, and
         # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
-        # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings)
+        # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings, or
+        # has not been idle at CAPTURE_SIGHTINGS of them in a row yet)
         self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
 
     @property
@@ -264,26 +258,31 @@ class GraphCache:
                 return self._eager(body, "gpu-bound")
             del self._behind[key]
             self._idle.pop(key, None)
+            self._seen[key] = (self._seen.get(key, (0, 0))[0], CAPTURE_SIGHTINGS)  # captured now
         shape = _strip(key)  # (not on the replay path above: it walks the whole key)
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
         ):
             reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
+            idle = auto and not self.lag.behind()  # (before the call: the queue it starts behind)
             result = self._eager(body, reason)
             if reason == "new key":  # (a shape that is off never comes back to be captured)
-                self._seen[key] = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
+                nbytes = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
+                self._seen[key] = (nbytes, int(idle))
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
             return result
-        nbytes = self._seen.pop(key, 0)
-        if auto and entries is None and nbytes >= SMALL_CALL_BYTES and self.lag.behind():
-            # an eager call's host time is hidden behind the GPU's queue: no graph (yet)
-            self._behind[key] = self._behind.get(key, 0) + 1
-            self._behind.move_to_end(key)
-            if len(self._behind) > _SEEN_KEYS:
-                self._idle.pop(self._behind.popitem(last=False)[0], None)
-            self._seen[key] = nbytes  # its next sighting comes back here
-            return self._eager(body, "gpu-bound")
+        nbytes, idle_run = self._seen.pop(key, (0, 0))
+        if auto and entries is None and nbytes >= SMALL_CALL_BYTES:
+            if self.lag.behind():  # an eager call's host time is hidden behind the GPU's queue
+                self._behind[key] = self._behind.get(key, 0) + 1
+                self._behind.move_to_end(key)
+                if len(self._behind) > _SEEN_KEYS:
+                    self._idle.pop(self._behind.popitem(last=False)[0], None)
+                idle_run = -1
+            if idle_run + 1 < CAPTURE_SIGHTINGS:  # no graph (yet); its next sighting comes back here
+                self._seen[key] = (nbytes, idle_run + 1)
+                return self._eager(body, "gpu-bound")
         wasted = self._dropped.get(shape, 0) + self._stale(shape)
         if wasted >= WASTED_PER_SHAPE:
             self._off.add(shape)
@@ -391,8 +390,8 @@ def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
     workspace this process made), the graphs held, and the eager calls by reason ("eager: new
     key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache)."""
-    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0,
-             "eager: new key": 0, "eager: outputs held": 0, "eager: shape off": 0, "eager: gpu-bound": 0}
+    reasons = ("new key", "outputs held", "shape off", "gpu-bound")
+    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0, **{f"eager: {r}": 0 for r in reasons}}
     for cache in _caches(ws):
         for k, v in {**cache.counts, "graphs": cache._count(),
                      **{f"eager: {r}": n for r, n in cache.eager_reasons.items()}}.items():
