@@ -303,7 +303,7 @@ def _counting(calls: dict[str, dict[str, int]], key: str, timing: Callable[[], N
     before = graphs.stats()
     timing()
     after = graphs.stats()
-    calls[key] = {k: after[k] - before[k] for k in after if k != "graphs" and after[k] != before[k]}
+    calls[key] = {k: after[k] - before.get(k, 0) for k in after if k != "graphs" and after[k] != before.get(k, 0)}
 
 
 def run_benchmark(

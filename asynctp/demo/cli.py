@@ -319,6 +319,11 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
             print(f"{r['name']}: pipelined calls (rank 0) {calls['eager']} eager, {calls['captured']} captured into "
                   f"CUDA graphs, {calls['replayed']} replayed; last step: {last.get('eager')} eager"
                   + (f" ({why})" if why else "") + f", {last.get('captured')} captured, {last.get('replayed')} replayed")
+            moved = sorted(((k.removeprefix("moved: "), v) for k, v in calls.items() if k.startswith("moved: ") and v),
+                           key=lambda kv: -kv[1])
+            if moved:  # runtime/moves.py: why keys were new
+                print(f"{r['name']}: new keys' inputs at new addresses (rank 0; tensor i: the i-th tensor of the op's key() in asynctp/ops): "
+                      + ", ".join(f"{k} {v}" for k, v in moved))
     for r in runs:
         if r.get("op_calls"):
             print(f"{r['name']}: asynctp calls (rank 0), by op and strategy: "

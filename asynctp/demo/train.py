@@ -228,8 +228,8 @@ class _Run:
             losses.append(_queue_step(self.model, self.opt, tokens))
             result.host_times.append(time.perf_counter() - queued)
             after = graphs.stats()
-            # eager, captured, replayed and the eager calls' reasons
-            calls = {k: after[k] - before[k] for k in after if k != "graphs"}
+            # eager, captured, replayed, the eager calls' reasons, the new keys' moved inputs
+            calls = {k: after[k] - before.get(k, 0) for k in after if k != "graphs"}
             for k, v in calls.items():
                 result.graph_calls[k] = result.graph_calls.get(k, 0) + v
             result.graph_calls_last_step, before = calls, after

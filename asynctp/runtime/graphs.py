@@ -50,6 +50,7 @@ import torch
 
 from asynctp.config import get_config, warn_once
 from asynctp.runtime.lag import Lag
+from asynctp.runtime.moves import Moves, addresses
 
 __all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", "GraphCache"]
 
@@ -65,8 +66,7 @@ _use_count = torch._C._storage_Use_Count
 
 
 def mode() -> str:
-    """Config.graphs (ASYNCTP_GRAPHS): "auto" (default), "1" (capture every recurring call) or
-    "0" (never)."""
+    """Config.graphs (ASYNCTP_GRAPHS): "auto" (default), "1" (capture every recurring call), "0"."""
     return get_config().graphs
 
 
@@ -189,6 +189,7 @@ class GraphCache:
         # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings, or
         # has not been idle at CAPTURE_SIGHTINGS of them in a row yet)
         self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
+        self.moves = Moves()  # the new keys' inputs at new addresses, per op and tensor
 
     @property
     def ws(self) -> Any:
@@ -269,6 +270,7 @@ class GraphCache:
             if reason == "new key":  # (a shape that is off never comes back to be captured)
                 nbytes = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
                 self._seen[key] = (nbytes, int(idle))
+                self.moves.note(op, shape, addresses(key, _is_tensor_key))
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
             return result
@@ -374,10 +376,7 @@ def call(ws: Any, op: str, key: tuple, body: Callable[[], Any]) -> Any:
 
 
 def _caches(ws: Any | None) -> list[GraphCache]:
-    if ws is not None:
-        cache = _caches_by_ws.get(ws)
-        return [] if cache is None else [cache]
-    return list(_caches_by_ws.values())
+    return list(_caches_by_ws.values()) if ws is None else [c for c in (_caches_by_ws.get(ws),) if c is not None]
 
 
 def clear(ws: Any | None = None) -> None:
@@ -389,11 +388,12 @@ def clear(ws: Any | None = None) -> None:
 def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
     workspace this process made), the graphs held, and the eager calls by reason ("eager: new
-    key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache)."""
+    key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache), and
+    the new keys' inputs at new addresses ("moved: <op> tensor <i>", runtime/moves.py)."""
     reasons = ("new key", "outputs held", "shape off", "gpu-bound")
     total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0, **{f"eager: {r}": 0 for r in reasons}}
     for cache in _caches(ws):
-        for k, v in {**cache.counts, "graphs": cache._count(),
-                     **{f"eager: {r}": n for r, n in cache.eager_reasons.items()}}.items():
-            total[k] += v
+        for k, v in {**cache.counts, "graphs": cache._count(), **{f"eager: {r}": n for r, n in cache.eager_reasons.items()},
+                     **{f"moved: {m}": n for m, n in cache.moves.summary().items()}}.items():
+            total[k] = total.get(k, 0) + v
     return total

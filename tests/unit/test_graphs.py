@@ -383,3 +383,38 @@ def test_lag_keeps_marks_back_to_lag_seconds_at_the_busiest_marking_rate():
 def test_graphs_setting_is_checked():
     with pytest.raises(ValueError, match="ASYNCTP_GRAPHS requires auto, 0 or 1, got 'sometimes'"):
         config.Config.from_env({"ASYNCTP_GRAPHS": "sometimes"})
+
+
+def test_new_keys_name_the_inputs_that_moved(monkeypatch):
+    """A loop whose weights stay put and whose activations come at new addresses every step:
+    the new keys are counted against the activation (tensor 0), not the weights (tensor 1), and
+    stats() reports them per op and tensor."""
+    monkeypatch.setattr(config, "_current", config.Config(graphs="1"))
+    cache = make_cache()
+    weights = [torch.eye(3) for _ in range(4)]  # four layers' weights: four addresses, all recurring
+    held = []
+    for step in range(3):
+        for w in weights:
+            x = torch.ones(2, 3) * step
+            held.append(x)  # (kept alive: a freed tensor's address could come back)
+            op(cache, x, w)
+        if step == 0:  # the first key of the shape counts nothing; the other layers' weights are new once
+            assert cache.moves.summary() == {"op tensor 1": 3, "op tensor 0": 3}
+    assert cache.eager_reasons["new key"] == 12
+    # later steps: every key new, each for its activation only
+    assert cache.moves.summary() == {"op tensor 0": 11, "op tensor 1": 3}
+    monkeypatch.setattr(graphs, "_caches", lambda ws: [cache])
+    total = graphs.stats()
+    assert total["moved: op tensor 0"] == 11 and total["moved: op tensor 1"] == 3
+
+
+def test_moves_remember_a_bounded_number_of_addresses():
+    from asynctp.runtime import moves
+
+    m = moves.Moves()
+    for address in range(moves.ADDRESSES + 1):
+        m.note("op", ("s",), [address])
+    m.note("op", ("s",), [0])  # forgotten (the oldest of ADDRESSES + 1): counted again
+    m.note("op", ("s",), [moves.ADDRESSES])  # remembered
+    assert m.counts[("op", 0)] == moves.ADDRESSES + 1
+    assert moves.addresses(("op", graphs.tensor_key(torch.ones(1)), 3, (None,)), graphs._is_tensor_key) != []
