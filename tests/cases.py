@@ -7,7 +7,6 @@ rank's inputs from seeds, so the reference needs no collective at all.
 
 from __future__ import annotations
 
-import os
 import random
 
 import torch
@@ -480,8 +479,6 @@ def graph_replays() -> list[dict]:
     serial strategy's exactly (small integers), an output the caller holds is never overwritten,
     and a rank that runs eagerly (ASYNCTP_GRAPHS=0 on the last rank, second round) interoperates
     with ranks that replay. Returns each round's graph-cache counts."""
-    import os
-
     from asynctp.runtime import graphs
 
     rank, ws = world()
