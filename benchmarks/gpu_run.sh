@@ -32,9 +32,6 @@ for s in ${STEPS:-kernels ops bench}; do
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ${DEMO_ARGS:-} ;;
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
-    graphsab) for g in ${GRAPHS_AB:-1 auto}; do  # the graph cache's policies, one machine: demo launches
-             ASYNCTP_GRAPHS=$g step ${DEMO_LIMIT:-300} graphs_$g python3 -m asynctp.cli demo --model 8b-block --out $R/graphs-$g \
-               --compile --batch-size 1 --steps 30 --sync-every 10 ${DEMO_ARGS:-}; done ;;
     titan) step ${TITAN_LIMIT:-590} torchtitan bash benchmarks/torchtitan_bench.sh $R/torchtitan ;;  # carry .torchtitan_kit
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
              step ${BENCH_LIMIT:-200} bench_${op}_${SHAPES:-seed} python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;

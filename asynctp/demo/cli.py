@@ -322,8 +322,8 @@ def _report(args: argparse.Namespace, runs: list[dict], settings: Any, model_nam
             moved = sorted(((k.removeprefix("moved: "), v) for k, v in calls.items() if k.startswith("moved: ") and v),
                            key=lambda kv: -kv[1])
             if moved:  # runtime/moves.py: why keys were new
-                print(f"{r['name']}: new keys' inputs at new addresses (rank 0; tensor i: the i-th tensor of the op's key() in asynctp/ops): "
-                      + ", ".join(f"{k} {v}" for k, v in moved))
+                print(f"{r['name']}: new keys' inputs at new addresses (rank 0; tensor i: the i-th tensor of the "
+                      "op's key() in asynctp/ops): " + ", ".join(f"{k} {v}" for k, v in moved))
     for r in runs:
         if r.get("op_calls"):
             print(f"{r['name']}: asynctp calls (rank 0), by op and strategy: "

@@ -50,7 +50,7 @@ import torch
 
 from asynctp.config import get_config, warn_once
 from asynctp.runtime.lag import Lag
-from asynctp.runtime.moves import Moves, addresses
+from asynctp.runtime.moves import Moves
 
 __all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", "GraphCache"]
 
@@ -62,6 +62,7 @@ MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
 WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
 _SEEN_KEYS = 512  # keys seen but not captured yet, least recent forgotten
 
+_REASONS = ("new key", "outputs held", "shape off", "gpu-bound")  # why calls ran eagerly (GraphCache)
 _use_count = torch._C._storage_Use_Count
 
 
@@ -92,13 +93,13 @@ def _is_tensor_key(value: tuple) -> bool:
     return len(value) == 4 and isinstance(value[0], int) and isinstance(value[3], torch.dtype)
 
 
-def _nbytes(key: Any) -> int:
-    """Bytes of the tensors a key describes (tensor_key tuples anywhere in it)."""
+def _tensor_keys(key: Any) -> list[tuple]:
+    """The tensor_key() tuples anywhere in a key, in order."""
     if isinstance(key, tuple):
         if _is_tensor_key(key):
-            return key[1].numel() * key[3].itemsize
-        return sum(_nbytes(v) for v in key)
-    return 0
+            return [key]
+        return [t for v in key for t in _tensor_keys(v)]
+    return []
 
 
 def _flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
@@ -188,7 +189,7 @@ class GraphCache:
         # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
         # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings, or
         # has not been idle at CAPTURE_SIGHTINGS of them in a row yet)
-        self.eager_reasons = {"new key": 0, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
+        self.eager_reasons = dict.fromkeys(_REASONS, 0)
         self.moves = Moves()  # the new keys' inputs at new addresses, per op and tensor
 
     @property
@@ -265,12 +266,14 @@ class GraphCache:
             entries is not None and len(entries) >= MAX_PER_KEY
         ):
             reason = "shape off" if shape in self._off else ("new key" if entries is None else "outputs held")
-            idle = auto and not self.lag.behind()  # (before the call: the queue it starts behind)
+            idle = reason == "new key" and auto and not self.lag.behind()  # (the queue the call starts behind)
             result = self._eager(body, reason)
             if reason == "new key":  # (a shape that is off never comes back to be captured)
-                nbytes = _nbytes(key) + sum(t.numel() * t.element_size() for t in _flatten(result)[0])
+                tensors = _tensor_keys(key)
+                nbytes = sum(t[1].numel() * t[3].itemsize for t in tensors) + sum(
+                    t.numel() * t.element_size() for t in _flatten(result)[0])
                 self._seen[key] = (nbytes, int(idle))
-                self.moves.note(op, shape, addresses(key, _is_tensor_key))
+                self.moves.note(op, shape, [t[0] for t in tensors])
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
             return result
@@ -302,11 +305,9 @@ class GraphCache:
             replay, result = self._capture(self, body)
         except Exception as exc:  # noqa: BLE001
             self._off.add(shape)
-            warn_once(
-                f"graphs-failed:{op}",
-                f"asynctp {op}: capturing the pipelined call into a CUDA graph failed ({exc!r}); "
-                f"calls of this shape run eagerly (host-bound at small sizes); ASYNCTP_GRAPHS=0 skips capture",
-            )
+            warn_once(f"graphs-failed:{op}",
+                      f"asynctp {op}: capturing the pipelined call into a CUDA graph failed ({exc!r}); calls of this "
+                      f"shape run eagerly (host-bound at small sizes); ASYNCTP_GRAPHS=0 skips capture")
             return self._eager(body, "shape off")
         outs, spec = _flatten(result)
         del result
@@ -390,8 +391,7 @@ def stats(ws: Any | None = None) -> dict[str, int]:
     workspace this process made), the graphs held, and the eager calls by reason ("eager: new
     key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache), and
     the new keys' inputs at new addresses ("moved: <op> tensor <i>", runtime/moves.py)."""
-    reasons = ("new key", "outputs held", "shape off", "gpu-bound")
-    total = {"eager": 0, "captured": 0, "replayed": 0, "graphs": 0, **{f"eager: {r}": 0 for r in reasons}}
+    total = dict.fromkeys(["eager", "captured", "replayed", "graphs"] + [f"eager: {r}" for r in _REASONS], 0)
     for cache in _caches(ws):
         for k, v in {**cache.counts, "graphs": cache._count(), **{f"eager: {r}": n for r, n in cache.eager_reasons.items()},
                      **{f"moved: {m}": n for m, n in cache.moves.summary().items()}}.items():

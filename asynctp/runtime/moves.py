@@ -12,7 +12,6 @@ shape counts nothing; a loop's first pass counts its other layers' tensors once 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any
 
 __all__ = ["Moves"]
 
@@ -47,11 +46,3 @@ class Moves:
         """{"<op> tensor <i>": new keys with that tensor at a new address}, most first."""
         return {f"{op} tensor {i}": n for (op, i), n in self.counts.most_common()}
 
-
-def addresses(key: Any, is_tensor_key) -> list[int]:
-    """The data pointers of the tensor keys in `key`, in order."""
-    if isinstance(key, tuple):
-        if is_tensor_key(key):
-            return [key[0]]
-        return [a for v in key for a in addresses(v, is_tensor_key)]
-    return []
