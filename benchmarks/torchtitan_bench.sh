@@ -12,8 +12,10 @@
 # Run from the repo root, with .torchtitan_kit carried:
 #   bash benchmarks/torchtitan_bench.sh OUT_DIR
 # Settings (environment): VARIANTS (which, in order), GRAPHS ("0": eager, "1": torchtitan's CUDA
-# graphs of forward + backward, "0 1": both), STEPS (30), WARMUP (10), LIMIT (seconds a run, 280;
-# the first run on a machine also compiles and autotunes flex attention).
+# graphs of forward + backward; default "0 1": both), STEPS (30), WARMUP (10), LIMIT (seconds a run,
+# 280; a run takes about 25 s on 2xH200, the first on a machine longer: it compiles flex attention).
+# The asynctp runs end with a line of asynctp's call and graph-cache counts (rank 0), kept in the
+# summary.
 set -u
 OUT_DIR=${1:?usage: bash benchmarks/torchtitan_bench.sh OUT_DIR}
 mkdir -p "$OUT_DIR"
@@ -25,7 +27,7 @@ declare -A ARGS=([default]="--config llama3_8b_4layers --asynctp.off"
                  [dist_gemm]="--config llama3_8b_4layers_dist_gemm --asynctp.off"
                  [asynctp]="--config llama3_8b_4layers_dist_gemm"
                  [asynctp_fp8]="--config llama3_8b_4layers_dist_gemm --asynctp.float8 rowwise")
-for graphs in ${GRAPHS:-0}; do
+for graphs in ${GRAPHS:-0 1}; do
   for v in ${VARIANTS:-default dist_gemm asynctp asynctp_fp8}; do
     name=${v}_$([ "$graphs" = 1 ] && echo graphs || echo eager)
     echo "== $name"
@@ -46,10 +48,11 @@ for log in sorted(out.glob("*.log")):
     steps = [(int(s), float(loss), float(mem), float(tps.replace(",", ""))) for s, loss, mem, tps in line.findall(log.read_text())]
     timed = [s for s in steps if s[0] > warmup] or steps
     tps = statistics.median(s[3] for s in timed) if timed else None
+    report = re.findall(r"^asynctp \(rank 0\): (.*)$", log.read_text(), re.M)
     rows.append({"run": log.stem, "steps": len(steps), "timed_steps": len(timed), "tps_per_gpu": tps,
                  "step_ms": 1000 * tokens_per_step / (tps * tp) if tps else None,
                  "peak_reserved_gib": max((s[2] for s in steps), default=None),
-                 "last_loss": steps[-1][1] if steps else None})
+                 "last_loss": steps[-1][1] if steps else None, "asynctp": report[-1] if report else None})
 (out / "summary.json").write_text(json.dumps(rows, indent=1))
 md = ["| run | steps | ms/step | tokens/s per GPU | peak reserved GiB | last loss |", "|---|---|---|---|---|---|"]
 fmt = lambda x, f: "-" if x is None else format(x, f)

@@ -73,7 +73,7 @@ class _RandomTokens(IterableDataset):
         gen = torch.Generator().manual_seed(self.seed)
         positions = torch.arange(self.seq_len)
         while True:
-            tokens = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen)
+            tokens = torch.randint(0, self.vocab_size - 1, (self.seq_len + 1,), generator=gen)  # no EOS id: one document, as the positions say
             yield {"input": tokens[:-1], "positions": positions}, tokens[1:]
 
 
@@ -93,10 +93,29 @@ class SyntheticTextDataLoader(ParallelAwareDataloader):
                          snapshot_every_n_steps=snapshot_every_n_steps)
 
 
+def _reuse_attention_masks(model: torch.nn.Module) -> None:
+    """One BlockMask object for every step whose positions equal the last step's.
+
+    torchtitan's CUDA graphs of forward + backward require the mask's flattened structure to stay
+    the same across steps, but get_attention_masks builds a new mask_mod closure every step, which
+    torch 2.11's BlockMask flattening compares by identity ("CUDA graph BlockMask structure must
+    remain constant"). The synthetic positions are the same every step, so the mask is too."""
+    build = model.get_attention_masks
+    last: list[Any] = []
+
+    def get_attention_masks(positions: torch.Tensor) -> Any:
+        if not (last and last[0].shape == positions.shape and torch.equal(last[0], positions)):
+            last[:] = [positions.clone(), build(positions=positions)]
+        return last[1]
+
+    model.get_attention_masks = get_attention_masks
+
+
 def _parallelize_without_fsdp(model: torch.nn.Module, *, parallel_dims: Any, **kwargs: Any) -> torch.nn.Module:
     """torchtitan's parallelize_llama, minus its fully_shard wrapping where no DP or CP axis is active."""
     import torchtitan.models.llama3.parallelize as parallelize
 
+    _reuse_attention_masks(model)
     if parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled or parallel_dims.cp_enabled:
         return parallelize_llama(model, parallel_dims=parallel_dims, **kwargs)
     apply_fsdp = parallelize.apply_fsdp_to_decoder

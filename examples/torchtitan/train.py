@@ -92,11 +92,31 @@ def _compat() -> None:
         sys.modules.update({"datasets": placeholder, "datasets.distributed": placeholder.distributed})
 
 
+def _report_at_exit() -> None:
+    """At exit, print this rank's asynctp calls by op and strategy and its graph cache's counts (calls
+    run eagerly and why, captured, replayed, graphs held), as `asynctp demo` does."""
+    import atexit
+    import os
+
+    from asynctp.ops import dispatch
+    from asynctp.runtime import graphs
+
+    def report() -> None:
+        rank = os.environ.get("RANK", "0")
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(dispatch.calls().items()))
+        cache = ", ".join(f"{k} {v}" for k, v in graphs.stats().items() if v)
+        print(f"asynctp (rank {rank}): calls by op and strategy: {calls or 'none'}; graph cache: {cache or 'unused'}",
+              flush=True)
+
+    atexit.register(report)
+
+
 def main() -> None:
     _compat()
     float8 = _pop("--asynctp.float8", True)
     if not _pop("--asynctp.off", False):
         att.enable(float8=float8)
+        _report_at_exit()
     from torchtitan.train import main as torchtitan_main
 
     torchtitan_main()
