@@ -95,6 +95,7 @@ def _latest_runs(out: Path) -> dict[tuple[str, str], tuple[Path, list[dict[str, 
 _OTHER_RECORDS = {
     "demo": "training steps of the demo's model (`asynctp demo`)",
     "train_bench": "the training benchmark (`benchmarks/train_bench.py`)",
+    "torchtitan": "torchtitan 0.3's trainer: default TP, dist_gemm, dist_gemm on asynctp (`benchmarks/torchtitan_bench.sh`)",
     "contention": "a matmul beside NCCL's and asynctp's all-gather (`asynctp bench --contention`)",
     "kernels": "the single-launch GEMMs against cuBLAS on one GPU (`benchmarks/kernels.py`)",
     "soak": "random calls with injected faults on CPU ranks (`benchmarks/soak.py`)",
