@@ -17,7 +17,8 @@ No FSDP while the data-parallel degree is 1: torchtitan 0.3 wraps every model in
 and under spmd_types it passes dp_mesh_dims, which torch 2.11's fully_shard does not take and torch
 2.13's rejects for spmd_types' plain-tensor parameters ("When dp_mesh_dims is provided, all parameters
 must be DTensors on the full SPMD mesh"). Without FSDP's mixed-precision policy the run trains in
-bf16 throughout (training.dtype = "bfloat16": bf16 parameters, gradients and optimizer states).
+bf16 throughout (training.dtype = "bfloat16": bf16 parameters, gradients and optimizer states), and
+without gradient clipping (training.max_norm = inf; see llama3_8b_4layers).
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ def llama3_8b_4layers(tp_gemm_backend: str = "default") -> Trainer.Config:
     config.dataloader = SyntheticTextDataLoader.Config(vocab_size=vocab)
     config.training.steps = 30
     config.training.dtype = "bfloat16"
+    # no clipping (the norm and the multiply by 1 still run): without FSDP the parameters are plain
+    # local tensors, so torchtitan's clip_grad_norm_ takes each rank's norm of its own shards, the
+    # ranks would scale their gradients differently, and their replicated weights drift apart
+    config.training.max_norm = float("inf")
     config.parallelism.spmd_backend = "spmd_types"
     config.activation_checkpoint = None
     config.profiler.enable_profiling = False
