@@ -170,7 +170,6 @@ def _stages(args: argparse.Namespace, problem, group, device, rank: int) -> None
 
 
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
-    from asynctp.bench.cases import CASES
     from asynctp.bench.shapes import Shape
 
     os.environ["ASYNCTP_GRAPHS"] = args.graphs

@@ -45,10 +45,11 @@ tokens_per_step, tp = 8192 * 1, 2  # seq_len x local batch; torchtitan's tps is 
 line = re.compile(r"step: *(\d+) +loss: *(\S+) .*memory: *(-?[\d.]+)GiB.*tps: *([\d,]+)")
 rows = []
 for log in sorted(out.glob("*.log")):
-    steps = [(int(s), float(loss), float(mem), float(tps.replace(",", ""))) for s, loss, mem, tps in line.findall(log.read_text())]
+    text = log.read_text()
+    steps = [(int(s), float(loss), float(mem), float(tps.replace(",", ""))) for s, loss, mem, tps in line.findall(text)]
     timed = [s for s in steps if s[0] > warmup] or steps
     tps = statistics.median(s[3] for s in timed) if timed else None
-    report = re.findall(r"^asynctp \(rank 0\): (.*)$", log.read_text(), re.M)
+    report = re.findall(r"^asynctp \(rank 0\): (.*)$", text, re.M)
     rows.append({"run": log.stem, "steps": len(steps), "timed_steps": len(timed), "tps_per_gpu": tps,
                  "step_ms": 1000 * tokens_per_step / (tps * tp) if tps else None,
                  "peak_reserved_gib": max((s[2] for s in steps), default=None),

@@ -39,7 +39,6 @@ def calls() -> dict[str, int]:
     return {f"{op} {how}": n for (op, how), n in _calls.items()}
 
 
-
 def execute(
     op: str,
     plan: Plan,
