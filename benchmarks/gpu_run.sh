@@ -32,7 +32,8 @@ for s in ${STEPS:-kernels ops bench}; do
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ${DEMO_ARGS:-} ;;
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
-    titan) step ${TITAN_LIMIT:-590} torchtitan bash benchmarks/torchtitan_bench.sh $R/torchtitan ;;  # carry .torchtitan_kit
+    titan) step ${TITAN_LIMIT:-590} torchtitan env STEPS=${TITAN_STEPS:-20} WARMUP=${TITAN_WARMUP:-8} LIMIT=${TITAN_RUN_LIMIT:-135} \
+             bash benchmarks/torchtitan_bench.sh $R/torchtitan ;;  # carry .torchtitan_kit
     bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
              step ${BENCH_LIMIT:-200} bench_${op}_${SHAPES:-seed} python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
   esac

@@ -514,9 +514,9 @@ def graph_replays() -> list[dict]:
             a_f8, b_f8, half, half, 0, g, out_dtype=torch.float32, strategy=s)
 
     def flat(result) -> list[torch.Tensor]:
-        from asynctp.runtime.graphs import _flatten
+        from asynctp.runtime.keys import flatten
 
-        return _flatten(result)[0]
+        return flatten(result)[0]
 
     counts = []
     workspace = asynctp.get_workspace(g, "cuda")

@@ -18,11 +18,14 @@ replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or cap
 that grows drops its graphs; every rank grows at the same call.
 
 Not used: on CPU, inside the caller's own capture, under torch.compile's tracing, with
-ASYNCTP_GRAPHS=0. A shape with WASTED_PER_SHAPE graphs never replayed (inputs whose addresses recur
-only now and then) is no longer captured, with one warning: a capture costs milliseconds of host
-time. Memory: each graph keeps its intermediates and outputs; at most MAX_GRAPHS (64) graphs per
+ASYNCTP_GRAPHS=0. Memory: each graph keeps its intermediates and outputs. A graph whose key has not
+come back for twice its period (a loop whose activations moved) is dropped at the next capture,
+which takes its memory pool: torch keeps a dropped graph's pool reserved, so a loop whose addresses
+churn would otherwise reserve more at every capture. At most MAX_GRAPHS (64) graphs per
 workspace, least recently used dropped first; clear() drops them all, and a workspace's go when it
-is closed (asynctp.reset) or collected.
+is closed (asynctp.reset) or collected. A shape with WASTED_PER_SHAPE graphs never replayed or
+dropped before PAYBACK_REPLAYS replays is no longer captured, with one warning: a capture costs
+milliseconds of host time.
 
 When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
 large matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200,
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 
 from asynctp.config import get_config, warn_once
+from asynctp.runtime.keys import flatten, strip, tensor_key, tensor_keys, unflatten
 from asynctp.runtime.lag import Lag
 from asynctp.runtime.moves import Moves
 
@@ -59,7 +63,9 @@ DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for goo
 CAPTURE_SIGHTINGS = 3  # auto: sightings in a row on an idle GPU (the first included) before a large key is captured
 SMALL_CALL_BYTES = 32 << 20  # auto: a key with fewer bytes of inputs + outputs is captured regardless of the queue
 MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
-WASTED_PER_SHAPE = 8  # graphs of a shape never replayed (dropped, or stale): then that shape runs eagerly
+WASTED_PER_SHAPE = 8  # graphs of a shape dropped unpaid, or never replayed: then that shape runs eagerly
+MAX_DONORS = 8  # dropped graphs kept (never replayed) until a capture takes their memory pool
+PAYBACK_REPLAYS = 8  # a graph dropped after fewer replays did not pay for its capture (milliseconds of host time)
 _SEEN_KEYS = 512  # keys seen but not captured yet, least recent forgotten
 
 _REASONS = ("new key", "outputs held", "shape off", "gpu-bound")  # why calls ran eagerly (GraphCache)
@@ -81,49 +87,17 @@ def usable(ws: Any) -> bool:
             and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling())
 
 
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What of a tensor a captured graph depends on: where it is and how it is laid out."""
-    if t is None:
-        return None
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
-
-
-def _is_tensor_key(value: tuple) -> bool:
-    """Whether a tuple of a key is a tensor_key() (address, shape, strides, dtype)."""
-    return len(value) == 4 and isinstance(value[0], int) and isinstance(value[3], torch.dtype)
-
-
-def _tensor_keys(key: Any) -> list[tuple]:
-    """The tensor_key() tuples anywhere in a key, in order."""
-    if isinstance(key, tuple):
-        if _is_tensor_key(key):
-            return [key]
-        return [t for v in key for t in _tensor_keys(v)]
-    return []
-
-
-def _flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
-    """(tensors, spec) of an op's result: a tensor, or (tensor or None, [tensors])."""
-    if isinstance(result, torch.Tensor):
-        return [result], None
-    first, outs = result
-    return ([] if first is None else [first]) + list(outs), first is not None
-
-
-def _unflatten(tensors: list[torch.Tensor], spec: Any) -> Any:
-    return tensors[0] if spec is None else ((tensors[0], tensors[1:]) if spec else (None, tensors))
-
-
 class _Entry:
     """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
 
-    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born")
+    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born", "last", "gap")
 
     def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, shape: tuple = (),
-                 born: int = 0) -> None:
+                 born: int = 0, gap: int = 0) -> None:
         self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
         self.shape = shape  # its key without the addresses
-        self.born = born  # calls through the cache before it was captured
+        self.born = self.last = born  # calls through the cache before it was captured / last used
+        self.gap = gap  # the longest run of calls seen between two uses of its key: the key's period
         # (StorageImpl pointer, its use count while only this entry holds it) per storage
         seen: dict[int, int] = {}
         for t in outs:
@@ -140,18 +114,21 @@ class _Entry:
 
     def result(self) -> Any:
         # new tensors (not views: no _base) on the outputs' storages, raising their use counts
-        return _unflatten([t.detach() for t in self.outs], self.spec)
+        return unflatten([t.detach() for t in self.outs], self.spec)
 
 
 def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """Capture body() into a CUDA graph on the cache's capture stream; (graph.replay, result)."""
+    """Capture body() into a CUDA graph on the cache's capture stream, into the memory pool of a
+    dropped graph where the cache has one (cache.donor()); (graph.replay, result)."""
     caller = torch.cuda.current_stream()
     stream = cache.capture_stream()
     stream.wait_stream(caller)
-    graph = torch.cuda.CUDAGraph()
+    # the donor lives until the capture ended: torch counts a pool's graphs, and a graph goes only
+    # outside a capture; a pool id whose graphs are all gone is not taken (2.11's host allocator asserts)
+    graph, donor = torch.cuda.CUDAGraph(), cache.donor()
     with torch.cuda.stream(stream):
         # thread_local: the watchdog thread's event queries must not invalidate the capture
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(pool=None if donor is None else donor.__self__.pool(), capture_error_mode="thread_local")
         try:
             with cache.ws.capturing():  # barriers and signals: the stream operations eager calls use
                 result = body()
@@ -172,23 +149,24 @@ class GraphCache:
     def __init__(self, ws: Any, capture: Callable | None = None, lag: Lag | None = None) -> None:
         self._ws = weakref.ref(ws)
         self._capture = capture or _cuda_capture
+        self._donors: list[Callable[[], None]] = []  # dropped graphs (their replay), whose pools the next captures take
         self.lag = lag or Lag()
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
-        # key -> (bytes of its inputs + first outputs, its sightings in a row on an idle GPU (auto))
-        self._seen: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
+        # key -> (bytes of its inputs + first outputs, its sightings in a row on an idle GPU (auto),
+        # the call of its last sighting)
+        self._seen: OrderedDict[tuple, tuple[int, int, int]] = OrderedDict()
         self._calls = 0  # calls through this cache
-        self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped (LRU) before any replay
+        self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped before PAYBACK_REPLAYS replays
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
         self._behind: OrderedDict[tuple, int] = OrderedDict()  # key -> sightings behind (auto); DECIDE: eager
         self._idle: dict[tuple, int] = {}  # gpu-bound key -> sightings in a row on an idle GPU since
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
-        # why calls ran eagerly: "new key" (its first sighting: inputs at addresses not seen
-        # lately), "outputs held" (every graph of the key has outputs the caller still holds, and
-        # the key has MAX_PER_KEY), "shape off" (too many graphs of the shape went unreplayed, or
-        # its capture failed), "gpu-bound" (auto: the GPU ran behind the host at its sightings, or
-        # has not been idle at CAPTURE_SIGHTINGS of them in a row yet)
+        # why calls ran eagerly: "new key" (inputs at addresses not seen lately), "outputs held" (every
+        # graph of the key has outputs the caller holds, and the key has MAX_PER_KEY), "shape off" (too
+        # many graphs of the shape wasted, or its capture failed), "gpu-bound" (auto: the GPU ran behind
+        # the host at its sightings, or has not been idle at CAPTURE_SIGHTINGS of them in a row yet)
         self.eager_reasons = dict.fromkeys(_REASONS, 0)
         self.moves = Moves()  # the new keys' inputs at new addresses, per op and tensor
 
@@ -213,8 +191,14 @@ class GraphCache:
             torch.cuda.current_stream(self.ws.device).wait_stream(self._stream)
         return self._stream
 
+    def donor(self) -> Callable[[], None] | None:
+        """A dropped graph (its replay) whose memory pool the next capture takes, reusing its memory:
+        torch keeps a dropped graph's own pool reserved. None: the capture gets a pool of its own."""
+        return self._donors.pop() if self._donors else None
+
     def clear(self) -> None:
         self._entries.clear()
+        self._donors.clear()
         self._seen.clear()
         self._dropped.clear()
         self._off.clear()
@@ -260,8 +244,8 @@ class GraphCache:
                 return self._eager(body, "gpu-bound")
             del self._behind[key]
             self._idle.pop(key, None)
-            self._seen[key] = (self._seen.get(key, (0, 0))[0], CAPTURE_SIGHTINGS)  # captured now
-        shape = _strip(key)  # (not on the replay path above: it walks the whole key)
+            self._seen[key] = (self._seen.get(key, (0,))[0], CAPTURE_SIGHTINGS, 0)  # captured now
+        shape = strip(key)  # (not on the replay path above: it walks the whole key)
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
         ):
@@ -269,15 +253,15 @@ class GraphCache:
             idle = reason == "new key" and auto and not self.lag.behind()  # (the queue the call starts behind)
             result = self._eager(body, reason)
             if reason == "new key":  # (a shape that is off never comes back to be captured)
-                tensors = _tensor_keys(key)
+                tensors = tensor_keys(key)
                 nbytes = sum(t[1].numel() * t[3].itemsize for t in tensors) + sum(
-                    t.numel() * t.element_size() for t in _flatten(result)[0])
-                self._seen[key] = (nbytes, int(idle))
+                    t.numel() * t.element_size() for t in flatten(result)[0])
+                self._seen[key] = (nbytes, int(idle), self._calls)
                 self.moves.note(op, shape, [t[0] for t in tensors])
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
             return result
-        nbytes, idle_run = self._seen.pop(key, (0, 0))
+        nbytes, idle_run, sighted = self._seen.pop(key, (0, 0, 0))
         if auto and entries is None and nbytes >= SMALL_CALL_BYTES:
             if self.lag.behind():  # an eager call's host time is hidden behind the GPU's queue
                 self._behind[key] = self._behind.get(key, 0) + 1
@@ -286,13 +270,15 @@ class GraphCache:
                     self._idle.pop(self._behind.popitem(last=False)[0], None)
                 idle_run = -1
             if idle_run + 1 < CAPTURE_SIGHTINGS:  # no graph (yet); its next sighting comes back here
-                self._seen[key] = (nbytes, idle_run + 1)
+                self._seen[key] = (nbytes, idle_run + 1, self._calls)
                 return self._eager(body, "gpu-bound")
+        self._sweep()
         wasted = self._dropped.get(shape, 0) + self._stale(shape)
         if wasted >= WASTED_PER_SHAPE:
             self._off.add(shape)
             for k in [k for k, entries in self._entries.items() if entries[0].shape == shape]:
-                del self._entries[k]
+                for e in self._entries.pop(k):
+                    self._retire(e)
             warn_once(
                 f"graphs-off:{shape}",
                 f"asynctp {op}: {wasted} CUDA graphs of shape {shape[1:]} were never replayed "
@@ -309,20 +295,38 @@ class GraphCache:
                       f"asynctp {op}: capturing the pipelined call into a CUDA graph failed ({exc!r}); calls of this "
                       f"shape run eagerly (host-bound at small sizes); ASYNCTP_GRAPHS=0 skips capture")
             return self._eager(body, "shape off")
-        outs, spec = _flatten(result)
+        outs, spec = flatten(result)
         del result
-        entry = _Entry(replay, outs, spec, shape, born=self._calls)
+        entry = _Entry(replay, outs, spec, shape, born=self._calls, gap=self._calls - sighted)
         self._entries.setdefault(key, []).append(entry)
         self._entries.move_to_end(key)
         self.counts["captured"] += 1
         while self._count() > MAX_GRAPHS:
             oldest, old = next(iter(self._entries.items()))
-            dropped = old.pop(0)
-            if dropped.replays == 0:
-                self._dropped[dropped.shape] = self._dropped.get(dropped.shape, 0) + 1
+            self._retire(old.pop(0))
             if not old:
                 del self._entries[oldest]
         return self._replay(op, entry, captured=True)
+
+    def _sweep(self) -> None:
+        """Drop the graphs whose key has not come back for twice its period (+ the graphs held + 4
+        calls), before each capture: the capture may take a dropped graph's memory pool."""
+        now, slack = self._calls, self._count() + 4
+        for key, entries in list(self._entries.items()):
+            for e in [e for e in entries if now - e.last > 2 * e.gap + slack]:
+                entries.remove(e)
+                self._retire(e)
+            if not entries:
+                del self._entries[key]
+
+    def _retire(self, entry: _Entry) -> None:
+        """A dropped graph: it lends its pool to a later capture (the last MAX_DONORS dropped); replayed
+        fewer than PAYBACK_REPLAYS times, it counts as wasted for its shape (WASTED_PER_SHAPE)."""
+        if entry.replays < PAYBACK_REPLAYS:
+            self._dropped[entry.shape] = self._dropped.get(entry.shape, 0) + 1
+        self._donors.append(entry.replay)
+        del self._donors[:-MAX_DONORS]
+        entry.replay = None
 
     def _eager(self, body: Callable[[], Any], reason: str) -> Any:
         self.eager_reasons[reason] += 1
@@ -339,17 +343,9 @@ class GraphCache:
             entry.replay()
         if not captured:  # the replay right after the capture is the capturing call's own
             entry.replays += 1
+            entry.gap, entry.last = max(entry.gap, self._calls - entry.last), self._calls
             self.counts["replayed"] += 1
         return entry.result()
-
-
-def _strip(value: Any) -> Any:
-    """key without the addresses: tensor keys lose their data pointer."""
-    if isinstance(value, tuple):
-        if _is_tensor_key(value):
-            return value[1:]
-        return tuple(_strip(v) for v in value)
-    return value
 
 
 _caches_by_ws: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # workspace -> its GraphCache

@@ -11,15 +11,20 @@ import torch
 
 from asynctp import config
 from asynctp.runtime import graphs, lag as lags
+from asynctp.runtime.keys import flatten, strip, tensor_keys
 from asynctp.symm import Workspace
 
 
+DONORS = []  # (cache, the dropped graph each fake capture took a pool from, or None)
+
+
 def fake_capture(cache, body):
+    DONORS.append((cache, cache.donor()))
     result = body()
-    outs, _ = graphs._flatten(result)
+    outs, _ = flatten(result)
 
     def replay():
-        for out, new in zip(outs, graphs._flatten(body())[0]):
+        for out, new in zip(outs, flatten(body())[0]):
             out.copy_(new)
 
     return replay, result
@@ -206,13 +211,38 @@ def test_the_number_of_graphs_is_bounded_least_recently_used_first(monkeypatch):
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 8)
     cache, w = make_cache(), torch.eye(3)
     xs = [torch.ones(2, 3) for _ in range(12)]
-    for x in xs:
-        for _ in range(3):  # seen, captured, replayed
+    for _ in range(2):  # a loop over 12 keys: seen, then captured
+        for x in xs:
             op(cache, x, w)
-    assert cache._count() == 8 and cache.counts["replayed"] == 12
+    assert cache._count() == 8 and cache.counts["captured"] == 12
     op(cache, xs[-1], w)  # still held: replayed
     op(cache, xs[0], w)  # dropped: seen again, eagerly
-    assert cache.counts["replayed"] == 13 and cache.counts["eager"] == 13
+    assert cache.counts["replayed"] == 1 and cache.counts["eager"] == 13
+    # captures 10-12 took the pools of the graphs dropped after captures 9-11; the last waits
+    donors = [d for c, d in DONORS if c is cache]
+    assert donors[:9] == [None] * 9 and None not in donors[9:] and len(cache._donors) == 1
+
+
+def test_graphs_whose_key_stopped_coming_back_are_dropped_and_their_pools_reused():
+    # a training loop whose activations move now and then (torchtitan eager): without the sweep
+    # every moved activation's graph stays, and each capture reserves a pool of its own
+    cache, w3, w4 = make_cache(), torch.eye(3), torch.eye(4)
+    layers = [torch.ones(2, 3) for _ in range(4)]  # at the same addresses every step
+    moving = [torch.ones(2, 4) for _ in range(16)]  # moves every 4 steps: seen, captured, replayed twice
+    held = []
+    with pytest.warns(RuntimeWarning, match="were never replayed"):
+        for step in range(4 * len(moving)):
+            for x in layers:
+                op(cache, x, w3)
+            op(cache, moving[step // 4], w4)
+            held.append(cache._count())
+    off = sum(1 for k in cache._entries if k[1][1] == moving[0].shape)
+    assert off == 0 and (moving[0].shape, (4, 1), torch.float32) in {s[1] for s in cache._off}
+    assert max(held) <= len(layers) + 3
+    donors = [d for c, d in DONORS if c is cache]
+    pools = donors.count(None)  # captures that took a new pool
+    assert len(donors) >= len(layers) + graphs.WASTED_PER_SHAPE and pools <= len(layers) + 3
+    assert cache.counts["replayed"] >= len(layers) * (4 * len(moving) - 2)  # the layers never stopped
 
 
 def test_a_single_tensor_result_round_trips():
@@ -227,7 +257,7 @@ def test_a_single_tensor_result_round_trips():
 def test_keys_lose_only_the_addresses():
     x = torch.ones(2, 3)
     key = ("op", graphs.tensor_key(x), 0, (graphs.tensor_key(x), None), "sum")
-    assert graphs._strip(key) == ("op", (torch.Size([2, 3]), (3, 1), torch.float32), 0,
+    assert strip(key) == ("op", (torch.Size([2, 3]), (3, 1), torch.float32), 0,
                                   ((torch.Size([2, 3]), (3, 1), torch.float32), None), "sum")
 
 
@@ -418,4 +448,4 @@ def test_moves_remember_a_bounded_number_of_addresses():
     m.note("op", ("s",), [moves.ADDRESSES])  # remembered
     assert m.counts[("op", 0)] == moves.ADDRESSES + 1
     x = torch.ones(1)  # the addresses the cache hands it: its key's tensors, in order
-    assert [t[0] for t in graphs._tensor_keys(("op", graphs.tensor_key(x), 3, (None,)))] == [x.data_ptr()]
+    assert [t[0] for t in tensor_keys(("op", graphs.tensor_key(x), 3, (None,)))] == [x.data_ptr()]
