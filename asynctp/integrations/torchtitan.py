@@ -17,10 +17,11 @@ forward and backward; disable() restores torchtitan's. Shapes (R ranks, M sequen
 Parameters may arrive as DTensors (torchtitan's parallelize shards them): their local shards are used.
 
 Memory (2xH200, Llama-3-8B's shape cut to 4 layers, seq 8192, benchmarks/torchtitan_bench.sh): in
-torchtitan's eager loop asynctp's graph cache (ASYNCTP_GRAPHS=auto) held 16.9 GiB reserved against
-10.3 with ASYNCTP_GRAPHS=0, at the same step time (98.4 vs 97.6 ms): the activations' addresses move
-between steps, so graphs pile up. Under torchtitan's own CUDA graphs the cache sees only the calls
-before the capture (12.1 GiB, default TP 12.3).
+torchtitan's eager loop asynctp's graph cache (ASYNCTP_GRAPHS=auto) held 14.7 GiB reserved against
+10.3 with ASYNCTP_GRAPHS=0, at the same step time (96.3 vs 95.9 ms): the activations' addresses move
+between steps, so graphs keep being captured (the cache drops those whose key stopped coming back
+and reuses their memory, but the reservation still grows); ASYNCTP_GRAPHS=0 suits that loop. Under
+torchtitan's own CUDA graphs the cache sees only the calls before the capture (12.1 GiB, default TP 12.3).
 """
 
 from __future__ import annotations
