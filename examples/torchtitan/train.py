@@ -96,9 +96,31 @@ def _compat() -> None:
         sys.modules.update({"datasets": placeholder, "datasets.distributed": placeholder.distributed})
 
 
+def _reserved_by_pool() -> str:
+    """GPU memory the caching allocator holds now, split between its general pool and CUDA graphs'
+    private pools: where a growing reservation went."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    general = graph = graph_allocated = 0
+    pools = set()
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg["segment_pool_id"]) == (0, 0):
+            general += seg["total_size"]
+        else:
+            graph += seg["total_size"]
+            graph_allocated += seg["allocated_size"]
+            pools.add(tuple(seg["segment_pool_id"]))
+    gib = 1 << 30
+    return (f"general pool {general / gib:.2f} GiB, graph pools {graph / gib:.2f} GiB in {len(pools)} pools "
+            f"({graph_allocated / gib:.2f} GiB allocated)")
+
+
 def _report_at_exit() -> None:
-    """At exit, print this rank's asynctp calls by op and strategy and its graph cache's counts (calls
-    run eagerly and why, captured, replayed, graphs held), as `asynctp demo` does."""
+    """At exit, print this rank's asynctp calls by op and strategy, its graph cache's counts (calls
+    run eagerly and why, captured, replayed, graphs held), as `asynctp demo` does, and the GPU
+    memory reserved by pool."""
     import atexit
     import os
 
@@ -109,8 +131,8 @@ def _report_at_exit() -> None:
         rank = os.environ.get("RANK", "0")
         calls = ", ".join(f"{k} {v}" for k, v in sorted(dispatch.calls().items()))
         cache = ", ".join(f"{k} {v}" for k, v in graphs.stats().items() if v)
-        print(f"asynctp (rank {rank}): calls by op and strategy: {calls or 'none'}; graph cache: {cache or 'unused'}",
-              flush=True)
+        print(f"asynctp (rank {rank}): calls by op and strategy: {calls or 'none'}; graph cache: {cache or 'unused'}; "
+              f"reserved at exit: {_reserved_by_pool()}", flush=True)
 
     atexit.register(report)
 
