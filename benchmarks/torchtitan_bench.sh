@@ -15,8 +15,7 @@
 # graphs of forward + backward; default "0 1": both), STEPS (30), WARMUP (10), LIMIT (seconds a run,
 # 280; a run takes about 25 s on 2xH200, the first on a machine longer: it compiles flex attention).
 # The asynctp runs end with a line of asynctp's call and graph-cache counts and the memory reserved
-# by pool at exit (rank 0), kept in the
-# summary.
+# by pool at exit (rank 0), kept in the summary.
 set -u
 OUT_DIR=${1:?usage: bash benchmarks/torchtitan_bench.sh OUT_DIR}
 mkdir -p "$OUT_DIR"
