@@ -21,10 +21,10 @@ Not used: on CPU, inside the caller's own capture, under torch.compile's tracing
 ASYNCTP_GRAPHS=0. Memory: each graph keeps its intermediates and outputs. A graph whose key has not
 come back for twice its period (a loop whose activations moved) is dropped at the next capture,
 which takes its memory pool: torch keeps a dropped graph's pool reserved, so a loop whose addresses
-churn would otherwise reserve more at every capture. The last MAX_DONORS dropped graphs stay until a
-capture takes their pool (torch frees a pool under memory pressure only once its graphs are gone). At most MAX_GRAPHS (64) graphs per
-workspace, least recently used dropped first; clear() drops them all, and a workspace's go when it
-is closed (asynctp.reset) or collected. A shape with WASTED_PER_SHAPE graphs never replayed or
+churn would otherwise reserve more at every capture. The last MAX_DONORS dropped graphs stay until
+a capture takes their pool (torch frees a pool under memory pressure only once its graphs are
+gone). At most MAX_GRAPHS (64) graphs per workspace, least recently used dropped first; clear()
+drops them all, and a workspace's go when it is closed (asynctp.reset) or collected. A shape with WASTED_PER_SHAPE graphs never replayed or
 dropped before PAYBACK_REPLAYS replays is no longer captured, with one warning: a capture costs
 milliseconds of host time.
 
@@ -298,7 +298,9 @@ class GraphCache:
             return self._eager(body, "shape off")
         outs, spec = flatten(result)
         del result
-        entry = _Entry(replay, outs, spec, shape, born=self._calls, gap=self._calls - sighted)
+        # its key's period: since its last sighting, or (another graph for held outputs) its first graph's
+        gap = entries[0].gap if entries else self._calls - sighted
+        entry = _Entry(replay, outs, spec, shape, born=self._calls, gap=gap)
         self._entries.setdefault(key, []).append(entry)
         self._entries.move_to_end(key)
         self.counts["captured"] += 1

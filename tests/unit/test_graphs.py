@@ -449,3 +449,23 @@ def test_moves_remember_a_bounded_number_of_addresses():
     assert m.counts[("op", 0)] == moves.ADDRESSES + 1
     x = torch.ones(1)  # the addresses the cache hands it: its key's tensors, in order
     assert [t[0] for t in tensor_keys(("op", graphs.tensor_key(x), 3, (None,)))] == [x.data_ptr()]
+
+
+def test_a_second_graph_for_held_outputs_is_dropped_with_its_key():
+    # the graph captured because the caller held the first one's outputs takes its key's period
+    # (not the calls since the cache began: it would outlive its key by that many calls)
+    cache, w = make_cache(), torch.eye(3)
+    z = torch.ones(2, 3)
+    for _ in range(100):  # the cache has seen many calls
+        op(cache, z, w)
+    x = torch.ones(2, 3)
+    op(cache, x, w)
+    held = [op(cache, x, w)[1][0], op(cache, x, w)[1][0]]  # captured, then another graph: outputs held
+    key = ("op", graphs.tensor_key(x), graphs.tensor_key(w))
+    assert len(cache._entries[key]) == 2
+    for _ in range(12):  # the loop moves on: new keys, captured at their second call
+        y = torch.ones(2, 3)
+        held.append(y)
+        op(cache, y, w)
+        op(cache, y, w)
+    assert key not in cache._entries
