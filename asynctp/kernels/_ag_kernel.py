@@ -86,7 +86,7 @@ def _fixup(acc, part_ptr, cnt_ptr, slot, part, SPLIT: tl.constexpr, BM: tl.const
 @triton.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
 def _ag_mm_kernel(
     a_desc, b_desc, c_desc, a_ptr, a_local_ptr, stride_am,
-    sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, tcnt_ptr,
+    sig_ptr, cnt_ptr, a_scale_ptr, a_local_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, tcnt_ptr,
     M, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src,
     sig_src, sig_blk, out_src, out_blk, num_dp,
     SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
@@ -155,7 +155,11 @@ def _ag_mm_kernel(
                 acc = acc * tl.load(a_scale_ptr)
             if A_SCALE == 2:
                 rows = tl.arange(0, BM)
-                sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
+                if LOCAL:  # the local source's scales from the caller's tensor too
+                    s_base = tl.where(is_local, a_local_scale_ptr, a_scale_ptr)
+                    sa = tl.load(s_base + row_ld + rows, mask=row_ld + rows < rows_in, other=0.0)
+                else:
+                    sa = tl.load(a_scale_ptr + row_a + rows, mask=row_a + rows < M, other=0.0)
                 acc = acc * sa[:, None]
             if B_SCALE == 1:
                 acc = acc * tl.load(b_scale_ptr)
@@ -217,7 +221,7 @@ def _scratch(size: int, alignment: int, stream: int) -> torch.Tensor:
 
 
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
-           bias, cfg: Config, num_sms: int, a_local=None) -> None:
+           bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None) -> None:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_total, k = n * chunk_rows, a.shape[1]
     nn_ = out.shape[1]
@@ -229,6 +233,8 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
                              f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
         if a.is_cuda:
             triton.set_allocator(_scratch)
+        if a_local_scale is None and _scale_mode(a_scale) == 2:  # the local rows' scales within a_scale
+            a_local_scale = a_scale.reshape(-1)[cmap.local_src * chunk_rows * cmap.blocks:]
     b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
                               [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
     c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
@@ -245,6 +251,7 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
         a_desc, b_desc, c_desc, a, a_local if a_local is not None else a, a.stride(0),
         signals if signals is not None else dummy, counters if counters is not None else dummy,
         a_scale if a_scale is not None else dummy,
+        a_local_scale if a_local_scale is not None else (a_scale if a_scale is not None else dummy),
         b_scale if b_scale is not None else dummy, bias if bias is not None else dummy, parts, tail_counters,
         m_total, nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src,
         sig_src, sig_blk, out_src, out_blk, tiles - tail,

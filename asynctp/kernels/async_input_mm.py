@@ -150,6 +150,7 @@ def launch(
     cmap: ChunkMap,
     *,
     a_local: torch.Tensor | None = None,
+    a_local_scale: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
@@ -160,8 +161,8 @@ def launch(
 
     sig_strides: (number of chunks n, flag stride per source, flag stride per block), in flags;
     signals None: no waits (every row already in place). a: the workspace rows (rank-major);
-    a_local: the local source's rows (cmap.local_src), read in place of a's (no staging copy;
-    rowwise scales must then be whole in a_scale)."""
+    a_local: the local source's rows (cmap.local_src), read in place of a's (no staging copy);
+    a_local_scale: their rowwise scales (default: their rows of a_scale)."""
     from asynctp.kernels import _ag_kernel as kern
 
     n, sig_src, sig_blk = sig_strides
@@ -172,7 +173,8 @@ def launch(
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
     kern.launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap,
-                counters, a_scale, b_scale, bias, cfg, sm_count(a.device), a_local=a_local)
+                counters, a_scale, b_scale, bias, cfg, sm_count(a.device), a_local=a_local,
+                a_local_scale=a_local_scale)
 
 
 def available(a: torch.Tensor, chunk_rows: int, config: Config | None = None) -> str | None:

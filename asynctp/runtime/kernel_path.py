@@ -189,12 +189,11 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     order (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment)). fp8:
     a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows).
 
-    The GEMM reads the own rows where they are. The copy stream pushes the rows to the peers
-    and, when the caller keeps the gathered rows, copies each arrived block out of the workspace
-    beside the GEMM (copy engines: the GEMM that waits may hold every SM). Every flag is zeroed
-    after the join (the GEMM and the copy stream both read them). Rowwise fp8 stages the own
-    rows and scales in the own slot first, each block flagged in the own pad. A staged GEMM
-    measured slower than the decomposition (2xH100, M 4096: 439-445 us against 370-374)."""
+    The GEMM reads the own rows (and rowwise scales) where they are. The copy stream pushes the
+    rows (and scales) to the peers and, when the caller keeps the gathered rows, copies each
+    arrived block out of the workspace beside the GEMM (copy engines: the GEMM that waits may
+    hold every SM). Every flag is zeroed after the join (the GEMM and the copy stream both read
+    them)."""
     world, rank = ws.world_size, ws.rank
     m, k = shard_2d.shape
     scaled = scale_rows is not None
@@ -204,18 +203,9 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     out_dtype = out_dtype or shard_2d.dtype
     outs = [shard_2d.new_empty((world * m, b.shape[1]), dtype=out_dtype) for b in bs]
     gathered = shard_2d.new_empty((world * m, k)) if keep_gathered else None
-    in_place = not scaled
     lanes = ws.lanes
     lanes.fork(side=False)
     with lanes.copy():
-        # staging: the own rows into the own slot first (a copy engine; the workspace contract
-        # allows local writes before the opening barrier), each block flagged in the own pad
-        for j in range(0 if in_place else blocks):
-            lo, hi = rank * m + j * rows, rank * m + (j + 1) * rows
-            all_rows[lo:hi].copy_(shard_2d[j * rows : (j + 1) * rows])
-            if all_scales is not None:
-                all_scales[lo:hi].copy_(scale_rows[j * rows : (j + 1) * rows])
-            ws.put_signal(rank, channel=_SIGNAL_BASE + j)
         ws.barrier(channel=0)
         own = [shard_2d[j * rows : (j + 1) * rows] for j in range(blocks)] if blocks > 1 else [shard_2d]
         for dst, theirs, their_scales in g.peers:  # rank r+1's rows reach r first: its GEMM's next chunk
@@ -237,7 +227,7 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     a_scale_ws = all_scales if scaled else a_scale
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
         launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap, a_scale=a_scale_ws,
-               b_scale=b_scale, bias=bias, a_local=shard_2d if in_place else None)
+               b_scale=b_scale, bias=bias, a_local=shard_2d, a_local_scale=scale_rows)
     lanes.join()
     g.flags_int.zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs
@@ -265,10 +255,8 @@ class _GatherViews:
             scales = ws.get_buffer(dst, (m,), torch.float32, scale_off + rank * m * 4) if scaled else None
             self.peers.append((dst, [theirs[j * rows : (j + 1) * rows] for j in range(blocks)],
                                None if scales is None else [scales[j * rows : (j + 1) * rows] for j in range(blocks)]))
-        # the GEMM reads the own rows in place (a descriptor per tile), except rowwise fp8, whose
-        # scales it reads from one tensor: then the own rows and scales are staged in the own slot
-        self.cmap = ChunkMap(blocks=blocks, local_src=-1 if scaled else rank, out_src=segment or None,
-                             out_blk=world * segment or None)
+        # the GEMM reads the own rows and scales in place (a descriptor per tile)
+        self.cmap = ChunkMap(blocks=blocks, local_src=rank, out_src=segment or None, out_blk=world * segment or None)
         self.sig = (world * blocks, 1, world)
 
 

@@ -30,6 +30,21 @@ out.fill_(float("nan"))
 kern.launch(ws, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, None, None, None, cfg,
             3, a_local=a[32:].clone())
 assert torch.equal(out, a @ b)
+# rowwise scales: source 1's rows and scales both from their own tensors (none staged in ws)
+sa = 2.0 ** torch.randint(-2, 3, (64,)).float()
+sa_ws = sa.clone()
+sa_ws[32:] = float("nan")
+flags = torch.ones(8, dtype=torch.int32)
+out.fill_(float("nan"))
+kern.launch(ws, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, sa_ws, None, None, cfg,
+            3, a_local=a[32:].clone(), a_local_scale=sa[32:].clone())
+assert torch.equal(out, (a * sa[:, None]) @ b)
+# ... their scales left in a_scale (no a_local_scale): read from a_scale's rows of source 1
+flags = torch.ones(8, dtype=torch.int32)  # (the launch above reset the waited flags)
+out.fill_(float("nan"))
+kern.launch(ws, b, False, out, flags, 4, 1, 2, 16, 2, ChunkMap(blocks=2, local_src=1), counters, sa, None, None, cfg,
+            3, a_local=a[32:].clone())
+assert torch.equal(out, (a * sa[:, None]) @ b)
 a4 = torch.randint(-3, 4, (64, 256)).float()
 b4 = torch.randint(-3, 4, (256, 48)).float()
 out4 = torch.full((64, 48), float("nan"))
