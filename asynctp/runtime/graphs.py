@@ -24,9 +24,9 @@ which takes its memory pool: torch keeps a dropped graph's pool reserved, so a l
 churn would otherwise reserve more at every capture. The last MAX_DONORS dropped graphs stay until
 a capture takes their pool (torch frees a pool under memory pressure only once its graphs are
 gone). At most MAX_GRAPHS (64) graphs per workspace, least recently used dropped first; clear()
-drops them all, and a workspace's go when it is closed (asynctp.reset) or collected. A shape with WASTED_PER_SHAPE graphs never replayed or
-dropped before PAYBACK_REPLAYS replays is no longer captured, with one warning: a capture costs
-milliseconds of host time.
+drops them all, and a workspace's go when it is closed (asynctp.reset) or collected. A shape with
+WASTED_PER_SHAPE graphs never replayed or dropped before PAYBACK_REPLAYS replays is no longer
+captured, with one warning: a capture costs milliseconds of host time.
 
 When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
 large matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200,
@@ -37,10 +37,12 @@ for the GPU every few steps sees its keys idle once per wait, and graphs would o
 (compiled 8B-shaped stack, batch 1, a wait every 10 steps: 34 graphs, 1.16x vanilla's peak). A key
 found behind at DECIDE_SIGHTINGS sightings runs eagerly ("gpu-bound", as do the sightings before a
 capture) until it is seen idle at DECIDE_SIGHTINGS sightings in a row (the calls turned
-host-bound). Keys under SMALL_CALL_BYTES of inputs and outputs are captured at their second call
-regardless: little memory, and at a run's start one rank's compilation stalls make its peer look
-"behind" (2xH200, a tiny fp8 model: 21 of 23 calls of one rank left eager). ASYNCTP_GRAPHS=1
-captures every key at its second call; 0 never captures.
+host-bound). A large key is captured only within the graphs' memory budget (runtime/graph_memory.py:
+their reservations on the device within GRAPH_MEMORY_SHARE of the rest; else "memory"). Keys under
+SMALL_CALL_BYTES of inputs and outputs are captured at their second call regardless: little memory,
+and at a run's start one rank's compilation stalls make its peer look "behind" (2xH200, a tiny fp8
+model: 21 of 23 calls of one rank left eager). ASYNCTP_GRAPHS=1 captures every key at its second
+call; 0 never captures.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 
 from asynctp.config import get_config, warn_once
+from asynctp.runtime.graph_memory import GraphMemory, cuda_capture, memory_of
 from asynctp.runtime.keys import flatten, strip, tensor_key, tensor_keys, unflatten
 from asynctp.runtime.lag import Lag
 from asynctp.runtime.moves import Moves
@@ -69,7 +72,7 @@ MAX_DONORS = 8  # dropped graphs kept (never replayed) until a capture takes the
 PAYBACK_REPLAYS = 8  # a graph dropped after fewer replays did not pay for its capture (milliseconds of host time)
 _SEEN_KEYS = 512  # keys seen but not captured yet, least recent forgotten
 
-_REASONS = ("new key", "outputs held", "shape off", "gpu-bound")  # why calls ran eagerly (GraphCache)
+_REASONS = ("new key", "outputs held", "shape off", "gpu-bound", "memory")  # why calls ran eagerly (GraphCache)
 _use_count = torch._C._storage_Use_Count
 
 
@@ -91,12 +94,13 @@ def usable(ws: Any) -> bool:
 class _Entry:
     """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
 
-    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born", "last", "gap")
+    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born", "last", "gap", "nbytes")
 
     def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, shape: tuple = (),
-                 born: int = 0, gap: int = 0) -> None:
+                 born: int = 0, gap: int = 0, nbytes: tuple[int, int] = (0, 0)) -> None:
         self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
         self.shape = shape  # its key without the addresses
+        self.nbytes = nbytes  # its key's bytes of inputs + outputs, of outputs
         self.born = self.last = born  # calls through the cache before it was captured / last used
         self.gap = gap  # the longest run of calls seen between two uses of its key: the key's period
         # (StorageImpl pointer, its use count while only this entry holds it) per storage
@@ -118,45 +122,22 @@ class _Entry:
         return unflatten([t.detach() for t in self.outs], self.spec)
 
 
-def _cuda_capture(cache: GraphCache, body: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """Capture body() into a CUDA graph on the cache's capture stream, into the memory pool of a
-    dropped graph where the cache has one (cache.donor()); (graph.replay, result)."""
-    caller = torch.cuda.current_stream()
-    stream = cache.capture_stream()
-    stream.wait_stream(caller)
-    # the donor lives until the capture ended: torch counts a pool's graphs, and a graph goes only
-    # outside a capture; a pool id whose graphs are all gone is not taken (2.11's host allocator asserts)
-    graph, donor = torch.cuda.CUDAGraph(), cache.donor()
-    with torch.cuda.stream(stream):
-        # thread_local: the watchdog thread's event queries must not invalidate the capture
-        graph.capture_begin(pool=None if donor is None else donor.__self__.pool(), capture_error_mode="thread_local")
-        try:
-            with cache.ws.capturing():  # barriers and signals: the stream operations eager calls use
-                result = body()
-        except BaseException:
-            try:
-                graph.capture_end()
-            except Exception:  # noqa: BLE001  (the capture is already invalid)
-                pass
-            raise
-        graph.capture_end()
-    return graph.replay, result
-
-
 class GraphCache:
     """The captured calls of one workspace (see the module docstring). It holds the workspace
     weakly: the caches are kept per workspace, and a workspace's goes when it is collected."""
 
-    def __init__(self, ws: Any, capture: Callable | None = None, lag: Lag | None = None) -> None:
+    def __init__(self, ws: Any, capture: Callable | None = None, lag: Lag | None = None,
+                 memory: GraphMemory | None = None) -> None:
         self._ws = weakref.ref(ws)
-        self._capture = capture or _cuda_capture
+        self._capture = capture or cuda_capture
+        self._memory = memory  # its device's (graph_memory.memory_of), once a capture needs it
         self._donors: list[Callable[[], None]] = []  # dropped graphs (their replay), whose pools the next captures take
         self.lag = lag or Lag()
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
-        # key -> (bytes of its inputs + first outputs, its sightings in a row on an idle GPU (auto),
-        # the call of its last sighting)
-        self._seen: OrderedDict[tuple, tuple[int, int, int]] = OrderedDict()
+        # key -> ((bytes of its inputs + first outputs, of the outputs), its sightings in a row on an
+        # idle GPU (auto), the call of its last sighting)
+        self._seen: OrderedDict[tuple, tuple[tuple[int, int], int, int]] = OrderedDict()
         self._calls = 0  # calls through this cache
         self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped before PAYBACK_REPLAYS replays
         self._off: set[tuple] = set()  # shapes that run eagerly from now on
@@ -167,13 +148,20 @@ class GraphCache:
         # why calls ran eagerly: "new key" (inputs at addresses not seen lately), "outputs held" (every
         # graph of the key has outputs the caller holds, and the key has MAX_PER_KEY), "shape off" (too
         # many graphs of the shape wasted, or its capture failed), "gpu-bound" (auto: the GPU ran behind
-        # the host at its sightings, or has not been idle at CAPTURE_SIGHTINGS of them in a row yet)
+        # the host at its sightings, or has not been idle at CAPTURE_SIGHTINGS of them in a row yet),
+        # "memory" (auto: a large key's graph would exceed the graphs' memory budget)
         self.eager_reasons = dict.fromkeys(_REASONS, 0)
         self.moves = Moves()  # the new keys' inputs at new addresses, per op and tensor
 
     @property
     def ws(self) -> Any:
         return self._ws()
+
+    @property
+    def memory(self) -> GraphMemory:
+        if self._memory is None:
+            self._memory = memory_of(self.ws.device)
+        return self._memory
 
     def capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -245,7 +233,7 @@ class GraphCache:
                 return self._eager(body, "gpu-bound")
             del self._behind[key]
             self._idle.pop(key, None)
-            self._seen[key] = (self._seen.get(key, (0,))[0], CAPTURE_SIGHTINGS, 0)  # captured now
+            self._seen[key] = (self._seen.get(key, ((0, 0),))[0], CAPTURE_SIGHTINGS, 0)  # captured now
         shape = strip(key)  # (not on the replay path above: it walks the whole key)
         if shape in self._off or (entries is None and key not in self._seen) or (
             entries is not None and len(entries) >= MAX_PER_KEY
@@ -255,15 +243,18 @@ class GraphCache:
             result = self._eager(body, reason)
             if reason == "new key":  # (a shape that is off never comes back to be captured)
                 tensors = tensor_keys(key)
-                nbytes = sum(t[1].numel() * t[3].itemsize for t in tensors) + sum(
-                    t.numel() * t.element_size() for t in flatten(result)[0])
+                out_bytes = sum(t.numel() * t.element_size() for t in flatten(result)[0])
+                nbytes = (sum(t[1].numel() * t[3].itemsize for t in tensors) + out_bytes, out_bytes)
                 self._seen[key] = (nbytes, int(idle), self._calls)
                 self.moves.note(op, shape, [t[0] for t in tensors])
                 if len(self._seen) > _SEEN_KEYS:
                     self._seen.popitem(last=False)
             return result
-        nbytes, idle_run, sighted = self._seen.pop(key, (0, 0, 0))
-        if auto and entries is None and nbytes >= SMALL_CALL_BYTES:
+        nbytes, idle_run, sighted = self._seen.pop(key, ((0, 0), 0, 0))
+        if entries:  # another graph of the key (the caller holds the others' outputs)
+            nbytes = entries[0].nbytes
+        large = auto and nbytes[0] >= SMALL_CALL_BYTES
+        if large and entries is None:
             if self.lag.behind():  # an eager call's host time is hidden behind the GPU's queue
                 self._behind[key] = self._behind.get(key, 0) + 1
                 self._behind.move_to_end(key)
@@ -274,6 +265,12 @@ class GraphCache:
                 self._seen[key] = (nbytes, idle_run + 1, self._calls)
                 return self._eager(body, "gpu-bound")
         self._sweep()
+        # auto: within the graphs' memory budget (graph_memory.py); a dropped graph's pool, which this
+        # capture takes, holds what the dropped outputs held
+        if large and not self.memory.allows(0 if self._donors else nbytes[1]):
+            if entries is None:  # its next sighting asks again
+                self._seen[key] = (nbytes, idle_run, self._calls)
+            return self._eager(body, "memory")
         wasted = self._dropped.get(shape, 0) + self._stale(shape)
         if wasted >= WASTED_PER_SHAPE:
             self._off.add(shape)
@@ -289,7 +286,7 @@ class GraphCache:
             )
             return self._eager(body, "shape off")
         try:
-            replay, result = self._capture(self, body)
+            replay, result = self.memory.capture(lambda: self._capture(self, body))
         except Exception as exc:  # noqa: BLE001
             self._off.add(shape)
             warn_once(f"graphs-failed:{op}",
@@ -300,7 +297,7 @@ class GraphCache:
         del result
         # its key's period: since its last sighting, or (another graph for held outputs) its first graph's
         gap = entries[0].gap if entries else self._calls - sighted
-        entry = _Entry(replay, outs, spec, shape, born=self._calls, gap=gap)
+        entry = _Entry(replay, outs, spec, shape, born=self._calls, gap=gap, nbytes=nbytes)
         self._entries.setdefault(key, []).append(entry)
         self._entries.move_to_end(key)
         self.counts["captured"] += 1
@@ -388,7 +385,8 @@ def clear(ws: Any | None = None) -> None:
 def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
     workspace this process made), the graphs held, and the eager calls by reason ("eager: new
-    key", "eager: outputs held", "eager: shape off", "eager: gpu-bound"; see GraphCache), and
+    key", "eager: outputs held", "eager: shape off", "eager: gpu-bound", "eager: memory"; see
+    GraphCache), and
     the new keys' inputs at new addresses ("moved: <op> tensor <i>", runtime/moves.py)."""
     total = dict.fromkeys(["eager", "captured", "replayed", "graphs"] + [f"eager: {r}" for r in _REASONS], 0)
     for cache in _caches(ws):

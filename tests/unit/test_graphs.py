@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asynctp import config
-from asynctp.runtime import graphs, lag as lags
+from asynctp.runtime import graph_memory, graphs, lag as lags
 from asynctp.runtime.keys import flatten, strip, tensor_keys
 from asynctp.symm import Workspace
 
@@ -65,9 +65,10 @@ class FakeWorkspace(SimpleNamespace):
 WORKSPACES = []  # the fake workspaces of this module's caches, kept alive
 
 
-def make_cache(lag=None, capture=fake_capture):
+def make_cache(lag=None, capture=fake_capture, memory=None):
     WORKSPACES.append(FakeWorkspace(generation=0, lanes=SimpleNamespace(is_cuda=False), backend="cpu"))
-    return graphs.GraphCache(WORKSPACES[-1], capture=capture, lag=lag or FakeLag())
+    memory = memory or graph_memory.GraphMemory(reserved=lambda: 1 << 40)  # a budget no test reaches
+    return graphs.GraphCache(WORKSPACES[-1], capture=capture, lag=lag or FakeLag(), memory=memory)
 
 
 def op(cache, x, w):
@@ -96,7 +97,7 @@ def test_outputs_the_caller_holds_are_never_overwritten():
     for i, out in enumerate(held):  # each one still holds its own call's result
         assert torch.equal(out, torch.full((4, 3), float(i)))
     assert cache.counts["captured"] == graphs.MAX_PER_KEY and cache.counts["eager"] == 1 + 2
-    assert cache.eager_reasons == {"new key": 1, "outputs held": 2, "shape off": 0, "gpu-bound": 0}
+    assert cache.eager_reasons == {"new key": 1, "outputs held": 2, "shape off": 0, "gpu-bound": 0, "memory": 0}
     assert len({o.data_ptr() for o in held}) == len(held)
 
 
@@ -137,7 +138,7 @@ def test_inputs_at_new_addresses_on_every_call_are_never_captured():
         keep.append(torch.ones(2, 3))
         op(cache, keep[-1], w)
     assert cache.counts == {"eager": 20, "captured": 0, "replayed": 0}
-    assert cache.eager_reasons == {"new key": 20, "outputs held": 0, "shape off": 0, "gpu-bound": 0}
+    assert cache.eager_reasons == {"new key": 20, "outputs held": 0, "shape off": 0, "gpu-bound": 0, "memory": 0}
 
 
 def test_a_shape_whose_graphs_are_dropped_unreplayed_stops_being_captured(monkeypatch):
@@ -344,7 +345,7 @@ def test_auto_captures_only_where_the_gpu_kept_up_with_the_host(monkeypatch):
             lag3.gpu_done()
         op(cache3, x, w)
     assert cache3.counts == {"eager": 12, "captured": 0, "replayed": 0}
-    assert cache3.eager_reasons == {"new key": 1, "outputs held": 0, "shape off": 0, "gpu-bound": 11}
+    assert cache3.eager_reasons == {"new key": 1, "outputs held": 0, "shape off": 0, "gpu-bound": 11, "memory": 0}
     # ... then the host waits at every call (host-bound): captured at the third idle sighting
     for _ in range(4):
         lag3.now += 2 * lags.LAG_SECONDS
@@ -469,3 +470,82 @@ def test_a_second_graph_for_held_outputs_is_dropped_with_its_key():
         op(cache, y, w)
         op(cache, y, w)
     assert key not in cache._entries
+
+
+class Reserved:
+    """The allocator's reserved bytes as a test sets them; a capture adds `per_capture` unless it
+    took a dropped graph's pool."""
+
+    def __init__(self, total, per_capture):
+        self.total, self.per_capture, self.donors = total, per_capture, []
+
+    def __call__(self):
+        return self.total
+
+    def capture(self, cache, body):
+        self.donors.append(cache._donors[-1] if cache._donors else None)
+        if not cache._donors:
+            self.total += self.per_capture
+        return fake_capture(cache, body)
+
+
+def test_auto_keeps_large_graphs_within_the_memory_budget(monkeypatch):
+    """A large key's graph duplicates its outputs (activations) in its own pool: under auto the
+    graphs' reservations stay within GRAPH_MEMORY_SHARE of the rest; a dropped graph's pool is
+    taken without reserving more."""
+    monkeypatch.setattr(config, "_current", config.Config())  # auto
+    monkeypatch.setattr(graphs, "SMALL_CALL_BYTES", 0)  # these tensors count as large
+    out_bytes = 2 * 4 * 3 * 4  # gathered [4, 3] and out [4, 3], float32
+    # 10_000 bytes reserved outside graphs: a budget of 400; the first graph reserves 350
+    reserved = Reserved(10_000, 350)
+    clock = iter(range(0, 10**6)).__next__  # the total is read afresh at every question
+    memory = graph_memory.GraphMemory(reserved, clock=lambda: clock() * graph_memory.READ_SECONDS)
+    lag, w = FakeLag(), torch.eye(3)
+    cache = make_cache(lag, capture=reserved.capture, memory=memory)
+
+    def call(x):
+        lag.now += lags.LAG_SECONDS
+        lag.gpu_done()  # the GPU keeps up: only the budget keeps a key eager
+        return op(cache, x, w)
+
+    a, b = torch.ones(2, 3), torch.ones(2, 3)
+    for _ in range(3):  # captured at its CAPTURE_SIGHTINGS-th idle sighting: 0 + 96 <= 400
+        call(a)
+    assert cache.counts["captured"] == 1 and memory.spent == 350
+    for _ in range(4):  # 350 + 96 > 0.04 * 10_000: eager, asking again at each sighting
+        call(b)
+    assert cache.counts["captured"] == 1 and cache.eager_reasons["memory"] == 2
+    assert 350 + out_bytes > graph_memory.GRAPH_MEMORY_SHARE * 10_000 >= out_bytes
+    for _ in range(4):  # a stopped coming back: the sweep drops its graph; b takes its pool
+        call(b)
+    assert cache.counts["captured"] == 2 and reserved.donors[1] is not None and memory.spent == 350
+    assert torch.equal(call(b)[1][0], torch.ones(4, 3)) and cache.counts["replayed"] >= 1
+    assert "eager: memory" in graphs.stats(None)  # a reason stats() reports
+
+    # ASYNCTP_GRAPHS=1 captures every recurring key: no budget
+    monkeypatch.setattr(config, "_current", config.Config(graphs="1"))
+    reserved = Reserved(10_000, 350)
+    memory = graph_memory.GraphMemory(reserved)
+    cache = make_cache(capture=reserved.capture, memory=memory)
+    for x in (a, a, b, b):
+        op(cache, x, w)
+    assert cache.counts["captured"] == 2 and memory.spent == 700
+
+
+def test_graph_memory_counts_growth_only_and_reads_the_total_at_most_every_read_seconds():
+    now, totals = [0.0], [1000]
+    memory = graph_memory.GraphMemory(lambda: totals[0], clock=lambda: now[0])
+    assert memory.allows(40) and not memory.allows(41)  # 0.04 * 1000
+    totals[0] = 2000  # read again only after READ_SECONDS
+    assert not memory.allows(41)
+    now[0] += 2 * graph_memory.READ_SECONDS
+    assert memory.allows(80)
+
+    def grow():
+        totals[0] += 100
+        return "result"
+
+    assert memory.capture(grow) == "result" and memory.spent == 100
+    totals[0] -= 500  # memory given back while capturing (a cache emptied): no negative spending
+    assert memory.capture(lambda: None) is None and memory.spent == 100
+    assert memory.allows(int(0.04 * (1600 - 100)) - 100) and not memory.allows(int(0.04 * 1500) - 99)
