@@ -38,7 +38,9 @@ for the GPU every few steps sees its keys idle once per wait, and graphs would o
 found behind at DECIDE_SIGHTINGS sightings runs eagerly ("gpu-bound", as do the sightings before a
 capture) until it is seen idle at DECIDE_SIGHTINGS sightings in a row (the calls turned
 host-bound). A large key is captured only within the graphs' memory budget (runtime/graph_memory.py:
-their reservations on the device within GRAPH_MEMORY_SHARE of the rest; else "memory"). Keys under
+their reservations on the device within GRAPH_MEMORY_SHARE of the rest; else "memory"), unless the
+loop is host-bound (the GPU behind at under BUDGET_BUSY of the lag marks: there graphs buy step
+time; 2xH100, compiled fp8 8B-shaped stack, the budget held: 94.5 ms a step vs 63.4). Keys under
 SMALL_CALL_BYTES of inputs and outputs are captured at their second call regardless: little memory,
 and at a run's start one rank's compilation stalls make its peer look "behind" (2xH200, a tiny fp8
 model: 21 of 23 calls of one rank left eager). ASYNCTP_GRAPHS=1 captures every key at its second
@@ -70,6 +72,7 @@ MAX_PER_KEY = 4  # graphs of one key whose outputs are all held by the caller
 WASTED_PER_SHAPE = 8  # graphs of a shape dropped unpaid, or never replayed: then that shape runs eagerly
 MAX_DONORS = 8  # dropped graphs kept (never replayed) until a capture takes their memory pool
 PAYBACK_REPLAYS = 8  # a graph dropped after fewer replays did not pay for its capture (milliseconds of host time)
+BUDGET_BUSY = 0.1  # auto: the graphs' memory budget holds where the GPU was behind at this share of lag marks or more
 _SEEN_KEYS = 512  # keys seen but not captured yet, least recent forgotten
 
 _REASONS = ("new key", "outputs held", "shape off", "gpu-bound", "memory")  # why calls ran eagerly (GraphCache)
@@ -267,7 +270,7 @@ class GraphCache:
         self._sweep()
         # auto: within the graphs' memory budget (graph_memory.py); a dropped graph's pool, which this
         # capture takes, holds what the dropped outputs held
-        if large and not self.memory.allows(0 if self._donors else nbytes[1]):
+        if large and self.lag.busy >= BUDGET_BUSY and not self.memory.allows(0 if self._donors else nbytes[1]):
             if entries is None:  # its next sighting asks again
                 self._seen[key] = (nbytes, idle_run, self._calls)
             return self._eager(body, "memory")

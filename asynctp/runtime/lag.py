@@ -20,30 +20,34 @@ from typing import Any
 
 import torch
 
-__all__ = ["Lag", "LAG_SECONDS", "MARK_SECONDS"]
+__all__ = ["Lag", "LAG_SECONDS", "MARK_SECONDS", "BUSY_WEIGHT"]
 
 # the GPU is "behind" while work queued this long ago is unfinished
 LAG_SECONDS = 0.010
 MARK_SECONDS = 2.5e-4  # at most one lag mark (a CUDA event) this often
 _MARKS = int(LAG_SECONDS / MARK_SECONDS) + 12  # marks kept: enough to reach back LAG_SECONDS
+BUSY_WEIGHT = 1 / 64  # each mark's weight in Lag.busy (an average over about the last 64 marks)
 
 
 class Lag:
     """How far the GPU runs behind the host: CUDA events recorded on the caller's stream, each with
     the host time it was recorded at (at most one every MARK_SECONDS, enough kept to reach back
-    LAG_SECONDS)."""
+    LAG_SECONDS). `busy`: the share of recent marks at which the GPU was behind, 1 until marks
+    tell otherwise (a loop near 0 is host-bound: the GPU waits for the host)."""
 
     def __init__(self, record: Callable[[Any], Any] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self._marks: deque = deque(maxlen=_MARKS)  # (host time, event), oldest first
         self._record = record or _record_event
         self._clock = clock
         self._last = float("-inf")
+        self.busy = 1.0
 
     def mark(self) -> None:
         now = self._clock()
         if now - self._last < MARK_SECONDS:
             return
         self._last = now
+        self.busy += BUSY_WEIGHT * (self.behind() - self.busy)
         event = self._marks.popleft()[1] if len(self._marks) == self._marks.maxlen else None
         self._marks.append((now, self._record(event)))
 

@@ -521,6 +521,14 @@ def test_auto_keeps_large_graphs_within_the_memory_budget(monkeypatch):
     assert cache.counts["captured"] == 2 and reserved.donors[1] is not None and memory.spent == 350
     assert torch.equal(call(b)[1][0], torch.ones(4, 3)) and cache.counts["replayed"] >= 1
     assert "eager: memory" in graphs.stats(None)  # a reason stats() reports
+    # a host-bound loop (the GPU caught up at every lag mark): graphs buy step time, the budget is lifted
+    c = torch.ones(2, 3)
+    assert lag.busy >= graphs.BUDGET_BUSY
+    while lag.busy >= graphs.BUDGET_BUSY:
+        call(b)
+    for _ in range(3):
+        call(c)
+    assert cache.counts["captured"] == 3 and memory.spent == 700
 
     # ASYNCTP_GRAPHS=1 captures every recurring key: no budget
     monkeypatch.setattr(config, "_current", config.Config(graphs="1"))
@@ -549,3 +557,19 @@ def test_graph_memory_counts_growth_only_and_reads_the_total_at_most_every_read_
     totals[0] -= 500  # memory given back while capturing (a cache emptied): no negative spending
     assert memory.capture(lambda: None) is None and memory.spent == 100
     assert memory.allows(int(0.04 * (1600 - 100)) - 100) and not memory.allows(int(0.04 * 1500) - 99)
+
+
+def test_lag_busy_is_the_recent_share_of_marks_at_which_the_gpu_was_behind():
+    lag = FakeLag()
+    assert lag.busy == 1.0  # no marks yet: taken for GPU-bound
+    for _ in range(400):  # the GPU finishes everything before the next mark
+        lag.now += 2 * lags.LAG_SECONDS
+        lag.gpu_done()
+        lag.mark()
+    assert lag.busy < 0.01
+    for i in range(400):  # behind at every other mark
+        lag.now += 2 * lags.LAG_SECONDS
+        if i % 2:
+            lag.gpu_done()
+        lag.mark()
+    assert abs(lag.busy - 0.5) < 0.02
