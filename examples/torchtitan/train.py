@@ -15,8 +15,8 @@ The trainer needs torchtitan's tokenizer assets and dataset (see torchtitan's RE
 which benchmarks/torchtitan_bench.sh times); the CPU test of this integration
 (tests/dist/test_integrations.py) runs torchtitan's fused modules directly.
 
-In torchtitan's eager loop (--training.disable_cuda_graphs) set ASYNCTP_GRAPHS=0: same step time, less
-memory (the numbers: asynctp/integrations/torchtitan.py's docstring).
+In torchtitan's eager loop (--training.disable_cuda_graphs) with --asynctp.float8, set ASYNCTP_GRAPHS=0:
+same step time, less memory (the numbers: asynctp/integrations/torchtitan.py's docstring).
 
 Before torchtitan is imported, _compat() fills in what torchtitan imports but the environment may lack
 (see its docstring); it changes nothing where torch has those APIs and Hugging Face datasets is installed.
