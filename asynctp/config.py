@@ -48,8 +48,8 @@ class Config:
         "ASYNCTP_CHECK_FINITE", "Check inputs for NaN/Inf before they are communicated (a host sync per call: "
         "a debugging aid).", default=False)
     graphs: str = _setting(
-        "ASYNCTP_GRAPHS", "CUDA graphs of recurring eager calls: auto (when the host is the bottleneck), 1 "
-        "(always) or 0 (never).", default="auto")
+        "ASYNCTP_GRAPHS", "CUDA graphs of recurring eager calls: auto (where the host is the bottleneck; large "
+        "calls within a memory budget), 1 (always) or 0 (never).", default="auto")
     disable_symm: bool = _setting(
         "ASYNCTP_DISABLE_SYMM", "Never use symmetric memory: ops overlap over a send/recv ring or run serially.",
         default=False)
