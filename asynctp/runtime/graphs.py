@@ -389,8 +389,8 @@ def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
     workspace this process made), the graphs held, and the eager calls by reason ("eager: new
     key", "eager: outputs held", "eager: shape off", "eager: gpu-bound", "eager: memory"; see
-    GraphCache), and
-    the new keys' inputs at new addresses ("moved: <op> tensor <i>", runtime/moves.py)."""
+    GraphCache), and the new keys' inputs at new addresses ("moved: <op> tensor <i>",
+    runtime/moves.py)."""
     total = dict.fromkeys(["eager", "captured", "replayed", "graphs"] + [f"eager: {r}" for r in _REASONS], 0)
     for cache in _caches(ws):
         for k, v in {**cache.counts, "graphs": cache._count(), **{f"eager: {r}": n for r, n in cache.eager_reasons.items()},
