@@ -40,7 +40,7 @@ class ChunkMap:
     """Where chunk c = (src, blk) = divmod(c, blocks) lives (see the module docstring)."""
 
     blocks: int = 1  # S: blocks per source rank
-    local_src: int = -1  # the source whose flags are never awaited: its rows are staged (-1: none)
+    local_src: int = -1  # the source whose flags are never awaited: its rows read from a_local, or staged (-1: none)
     out_src: int | None = None  # output row stride per source (None: rows_per_src)
     out_blk: int | None = None  # output row stride per block (None: chunk_rows)
 
