@@ -10,8 +10,11 @@ asynctp's graphs reserved 4.3 GiB beside the 10.3 GiB of the run without them, f
 Under ASYNCTP_GRAPHS=auto a large call is captured only while the graphs' reservations on its
 device, with the new graph's outputs, stay within GRAPH_MEMORY_SHARE of the rest of the memory
 the process has reserved (the training targets allow asynctp 5% more peak memory than plain TP),
-unless the loop is host-bound (runtime/graphs.py: BUDGET_BUSY). 2xH100, torchtitan's eager loop
-(bf16): 11.03 GiB peak reserved, flat from step 6, against default TP's 10.60.
+or within GRAPH_MEMORY_FLOOR where that is more (a process that reserves little memory, such as a
+benchmark of one op, has it to spare: 2xH100, all_gather_matmul at M 2048 ran eagerly under the
+share alone, 769 us against 174 replayed), unless the loop is host-bound (runtime/graphs.py:
+BUDGET_BUSY). 2xH100, torchtitan's eager loop (bf16): 11.03 GiB peak reserved, flat from step 6,
+against default TP's 10.60.
 
 cuda_capture() captures a call into a CUDA graph, in the memory pool of a dropped graph where the
 cache has one.
@@ -25,9 +28,10 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["GRAPH_MEMORY_SHARE", "GraphMemory", "memory_of", "cuda_capture"]
+__all__ = ["GRAPH_MEMORY_SHARE", "GRAPH_MEMORY_FLOOR", "GraphMemory", "memory_of", "cuda_capture"]
 
 GRAPH_MEMORY_SHARE = 0.04  # graphs' reservations / the rest of the process's reserved memory (auto)
+GRAPH_MEMORY_FLOOR = 256 << 20  # bytes graphs may reserve however little the rest is (the share of 6.4 GiB)
 READ_SECONDS = 0.01  # the reserved total read at most this often (a dict built by the allocator)
 
 R = TypeVar("R")
@@ -36,9 +40,12 @@ R = TypeVar("R")
 class GraphMemory:
     """What captures on one device reserved (`spent`), against the process's reserved total."""
 
-    def __init__(self, reserved: Callable[[], int], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, reserved: Callable[[], int], clock: Callable[[], float] = time.perf_counter, floor: int = GRAPH_MEMORY_FLOOR
+    ) -> None:
         self._reserved = reserved
         self._clock = clock
+        self.floor = floor
         self.spent = 0  # bytes the captures' pools reserved (never given back: see the module docstring)
         self._total = 0
         self._read_at = float("-inf")
@@ -55,11 +62,11 @@ class GraphMemory:
 
     def allows(self, nbytes: int) -> bool:
         """Whether a graph reserving `nbytes` more keeps the graphs within GRAPH_MEMORY_SHARE of the
-        rest of the reserved memory."""
+        rest of the reserved memory, or within the floor."""
         now = self._clock()
         if now - self._read_at > READ_SECONDS:
             self._total, self._read_at = self._reserved(), now
-        return self.spent + nbytes <= GRAPH_MEMORY_SHARE * max(self._total - self.spent, 0)
+        return self.spent + nbytes <= max(GRAPH_MEMORY_SHARE * (self._total - self.spent), self.floor)
 
 
 _by_device: dict[int, GraphMemory] = {}

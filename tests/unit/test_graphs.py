@@ -499,7 +499,7 @@ def test_auto_keeps_large_graphs_within_the_memory_budget(monkeypatch):
     # 10_000 bytes reserved outside graphs: a budget of 400; the first graph reserves 350
     reserved = Reserved(10_000, 350)
     clock = iter(range(0, 10**6)).__next__  # the total is read afresh at every question
-    memory = graph_memory.GraphMemory(reserved, clock=lambda: clock() * graph_memory.READ_SECONDS)
+    memory = graph_memory.GraphMemory(reserved, clock=lambda: clock() * graph_memory.READ_SECONDS, floor=0)
     lag, w = FakeLag(), torch.eye(3)
     cache = make_cache(lag, capture=reserved.capture, memory=memory)
 
@@ -542,7 +542,7 @@ def test_auto_keeps_large_graphs_within_the_memory_budget(monkeypatch):
 
 def test_graph_memory_counts_growth_only_and_reads_the_total_at_most_every_read_seconds():
     now, totals = [0.0], [1000]
-    memory = graph_memory.GraphMemory(lambda: totals[0], clock=lambda: now[0])
+    memory = graph_memory.GraphMemory(lambda: totals[0], clock=lambda: now[0], floor=0)
     assert memory.allows(40) and not memory.allows(41)  # 0.04 * 1000
     totals[0] = 2000  # read again only after READ_SECONDS
     assert not memory.allows(41)
@@ -557,6 +557,11 @@ def test_graph_memory_counts_growth_only_and_reads_the_total_at_most_every_read_
     totals[0] -= 500  # memory given back while capturing (a cache emptied): no negative spending
     assert memory.capture(lambda: None) is None and memory.spent == 100
     assert memory.allows(int(0.04 * (1600 - 100)) - 100) and not memory.allows(int(0.04 * 1500) - 99)
+    # a process that reserves little: the floor, not the share, bounds the graphs
+    memory.floor = 300
+    assert memory.allows(200) and not memory.allows(201)
+    totals[0], now[0] = 10_100, now[0] + 2 * graph_memory.READ_SECONDS
+    assert memory.allows(300) and not memory.allows(301)  # 0.04 * 10_000 - 100 spent
 
 
 def test_lag_busy_is_the_recent_share_of_marks_at_which_the_gpu_was_behind():
