@@ -38,7 +38,7 @@ for the GPU every few steps sees its keys idle once per wait, and graphs would o
 found behind at DECIDE_SIGHTINGS sightings runs eagerly ("gpu-bound", as do the sightings before a
 capture) until it is seen idle at DECIDE_SIGHTINGS sightings in a row (the calls turned
 host-bound). A large key is captured only within the graphs' memory budget (runtime/graph_memory.py:
-their reservations on the device within GRAPH_MEMORY_SHARE of the rest; else "memory"), unless the
+their reservations within GRAPH_MEMORY_SHARE of the rest, or GRAPH_MEMORY_FLOOR; else "memory"), unless the
 loop is host-bound (the GPU behind at under BUDGET_BUSY of the lag marks: there graphs buy step
 time; 2xH100, compiled fp8 8B-shaped stack, the budget held: 94.5 ms a step vs 63.4). Keys under
 SMALL_CALL_BYTES of inputs and outputs are captured at their second call regardless: little memory,
