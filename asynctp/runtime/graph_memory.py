@@ -12,9 +12,9 @@ device, with the new graph's outputs, stay within GRAPH_MEMORY_SHARE of the rest
 the process has reserved (the training targets allow asynctp 5% more peak memory than plain TP),
 or within GRAPH_MEMORY_FLOOR where that is more (a process that reserves little memory, such as a
 benchmark of one op, has it to spare: 2xH100, all_gather_matmul at M 2048 ran eagerly under the
-share alone, 769 us against 174 replayed), unless the loop is host-bound (runtime/graphs.py:
-BUDGET_BUSY). 2xH100, torchtitan's eager loop (bf16): 11.03 GiB peak reserved, flat from step 6,
-against default TP's 10.60.
+share alone, 769 us a call; 177 replayed with the floor), unless the loop is host-bound
+(runtime/graphs.py: BUDGET_BUSY). 2xH100, torchtitan's eager loop (bf16): 11.03 GiB peak
+reserved, flat from step 6, against default TP's 10.60.
 
 cuda_capture() captures a call into a CUDA graph, in the memory pool of a dropped graph where the
 cache has one.
