@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from asynctp.ops import guard
 from asynctp.ops.layout import moved_back
