@@ -28,23 +28,22 @@ drops them all, and a workspace's go when it is closed (asynctp.reset) or collec
 WASTED_PER_SHAPE graphs never replayed or dropped before PAYBACK_REPLAYS replays is no longer
 captured, with one warning: a capture costs milliseconds of host time.
 
-When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of
-large matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200,
-8B-shaped block, batch 2: 129.8 ms a step with and without graphs; peak reserved 33.9 GiB with,
-17.6 without). So a key is captured only once the GPU was less than LAG_SECONDS (10 ms,
-runtime/lag.py) behind the host at CAPTURE_SIGHTINGS of its sightings in a row: a loop that waits
-for the GPU every few steps sees its keys idle once per wait, and graphs would only hold memory
-(compiled 8B-shaped stack, batch 1, a wait every 10 steps: 34 graphs, 1.16x vanilla's peak). A key
-found behind at DECIDE_SIGHTINGS sightings runs eagerly ("gpu-bound", as do the sightings before a
-capture) until it is seen idle at DECIDE_SIGHTINGS sightings in a row (the calls turned
-host-bound). A large key is captured only within the graphs' memory budget (runtime/graph_memory.py:
-their reservations within GRAPH_MEMORY_SHARE of the rest, or GRAPH_MEMORY_FLOOR; else "memory"), unless the
-loop is host-bound (the GPU behind at under BUDGET_BUSY of the lag marks: there graphs buy step
-time; 2xH100, compiled fp8 8B-shaped stack, the budget held: 94.5 ms a step vs 63.4). Keys under
-SMALL_CALL_BYTES of inputs and outputs are captured at their second call regardless: little memory,
-and at a run's start one rank's compilation stalls make its peer look "behind" (2xH200, a tiny fp8
-model: 21 of 23 calls of one rank left eager). ASYNCTP_GRAPHS=1 captures every key at its second
-call; 0 never captures.
+When (ASYNCTP_GRAPHS=auto, the default): where the GPU runs behind the host (training steps of large
+matmuls), an eager call's host time is hidden and a graph only holds memory (2xH200, 8B-shaped
+block, batch 2: 129.8 ms a step with and without graphs; peak reserved 33.9 GiB with, 17.6 without).
+So a key is captured only once the GPU was less than LAG_SECONDS (10 ms, runtime/lag.py) behind the
+host at CAPTURE_SIGHTINGS of its sightings in a row: a loop that waits for the GPU every few steps
+sees its keys idle once per wait, and graphs would only hold memory (compiled 8B-shaped stack, batch
+1, a wait every 10 steps: 34 graphs, 1.16x vanilla's peak). A key found behind at DECIDE_SIGHTINGS
+sightings runs eagerly ("gpu-bound", as do the sightings before a capture) until it is seen idle at
+DECIDE_SIGHTINGS sightings in a row (the calls turned host-bound). A large key is captured only
+within the graphs' memory budget (runtime/graph_memory.py: their reservations within
+GRAPH_MEMORY_SHARE of the rest, or GRAPH_MEMORY_FLOOR; else "memory"), unless the loop is host-bound
+(the GPU behind at under BUDGET_BUSY of the lag marks: there graphs buy step time; 2xH100, compiled
+fp8 8B-shaped stack, the budget held: 94.5 ms a step vs 63.4). Keys under SMALL_CALL_BYTES of inputs
+and outputs are captured at their second call regardless: little memory, and at a run's start one
+rank's compilation stalls make its peer look "behind" (2xH200, a tiny fp8 model: 21 of 23 calls of
+one rank left eager). ASYNCTP_GRAPHS=1 captures every key at its second call; 0 never captures.
 """
 
 from __future__ import annotations
