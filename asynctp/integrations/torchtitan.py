@@ -20,9 +20,10 @@ Memory (Llama-3-8B's shape cut to 4 layers, seq 8192, benchmarks/torchtitan_benc
 eager loop the activations' addresses move between steps, so asynctp's graph cache keeps capturing.
 Without a memory budget it held 14.7 GiB reserved against 10.3 with ASYNCTP_GRAPHS=0, at the same step
 time (2xH200: 96.3 vs 95.9 ms). With the graphs' budget (runtime/graph_memory.py; 2xH100): bf16 11.03
-GiB against default TP's 10.60, flat from step 6. The fp8 rowwise loop looked host-bound, which lifts
-the budget: 17.84 GiB and 118.3 ms a step (12.02 GiB and 102.8 ms with the budget held), so set
-ASYNCTP_GRAPHS=0 for fp8 in that loop. Under torchtitan's own CUDA graphs the cache sees only the calls
+GiB against default TP's 10.60, flat from step 6. The fp8 rowwise loop's host time is close to its
+GPU time: on one machine it looked host-bound, which lifts the budget (17.84 GiB, 118.3 ms a step),
+on two others the budget held (12.02 GiB, 102.8-102.9 ms), so set ASYNCTP_GRAPHS=0 for fp8 in that
+loop. Under torchtitan's own CUDA graphs the cache sees only the calls
 before the capture (2xH200: 12.1 GiB, default TP 12.3).
 """
 
