@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A/B of a change against the tree, on one machine, in one call: each step runs on the tree (A)
+# and then on a copy of it with the change applied (B), so machine drift touches both alike.
+# Logs and result files in $OUT/ab.tgz (one file: the device returns a limited number of files),
+# the logs' tails on stdout.
+#   git diff main my-branch > change.patch
+#   PATCH=change.patch STEPS="fp8demo titan" bash benchmarks/ab_run.sh
+# Steps: test (B's GPU tests matching TESTS, a pytest -k expression), demo / fp8demo (the compiled
+# 8B-shaped block at batch 1, bf16 / fp8 rowwise; vanilla TP in the same run), titan (torchtitan
+# eager, VARIANTS default "asynctp asynctp_fp8"; carry .torchtitan_kit), train (train_bench.py at
+# TRAIN_ARGS). Compiles are cached in .inductor_cache across steps and calls of a warm machine: a
+# cold compiled demo takes about 225 s on 2xH100, a cached one about 70-140 s.
+set -u
+PATCH=${PATCH:?usage: PATCH=change.patch STEPS="..." bash benchmarks/ab_run.sh}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor_cache
+A=$PWD B=/tmp/asynctp-ab/tree W=/tmp/asynctp-ab/logs
+mkdir -p $W
+if [ ! -d $B ]; then
+  mkdir -p $B && cp -r "$A/." $B && (cd $B && git apply "$A/$PATCH") || { echo "$PATCH does not apply"; rm -rf $B; exit 1; }
+fi
+# run NAME LIMIT DIR CMD...: CMD in DIR with DIR's package on the path
+run() { local name=$1 limit=$2 dir=$3; shift 3; echo "== $name"; local t0=$SECONDS
+  (cd $dir && PYTHONPATH=$dir timeout -s ABRT -k 15 $limit "$@") > $W/$name.log 2>&1
+  echo "   rc=$? $((SECONDS - t0)) s"; grep -v -i "warn\|return func" $W/$name.log | tail -${TAILN:-10}
+  tar czf $OUT/ab.tgz -C $W . ; }
+DEMO="python3 -m asynctp.cli demo --model 8b-block --compile --batch-size 1 --steps 30 --sync-every 10"
+for s in ${STEPS:-fp8demo}; do
+  for side in A B; do
+    dir=${!side}
+    case $s in
+      test) [ $side = B ] && run test_B 300 $dir python3 -m pytest -q -rf -p no:cacheprovider --timeout=150 tests/gpu -k "${TESTS:?TESTS: a pytest -k expression}" ;;
+      demo) run demo_$side 330 $dir $DEMO --out $W/demo_$side ;;
+      fp8demo) run fp8demo_$side 330 $dir $DEMO --float8 rowwise --out $W/fp8demo_$side ;;
+      titan) [ -d $dir/.torchtitan_kit ] || cp -r $A/.torchtitan_kit $dir/
+             run titan_$side 300 $dir env VARIANTS="${VARIANTS:-asynctp asynctp_fp8}" GRAPHS=0 LIMIT=140 STEPS=20 WARMUP=8 \
+               bash benchmarks/torchtitan_bench.sh $W/titan_$side ;;
+      train) run train_$side 540 $dir python3 benchmarks/train_bench.py --out $W/train_$side ${TRAIN_ARGS:---batch-sizes 1 --configs compiled} ;;
+    esac
+  done
+done
