@@ -22,9 +22,9 @@ Without a memory budget it held 14.7 GiB reserved against 10.3 with ASYNCTP_GRAP
 time (2xH200: 96.3 vs 95.9 ms). With the graphs' budget (runtime/graph_memory.py; 2xH100): bf16 11.03
 GiB against default TP's 10.60, flat from step 6. The fp8 rowwise loop's host time is close to its
 GPU time: on one machine it looked host-bound, which lifts the budget (17.84 GiB, 118.3 ms a step),
-on two others the budget held (12.02 GiB, 102.8-102.9 ms), so set ASYNCTP_GRAPHS=0 for fp8 in that
-loop. Under torchtitan's own CUDA graphs the cache sees only the calls
-before the capture (2xH200: 12.1 GiB, default TP 12.3).
+on three others the budget held (12.02-12.22 GiB, 102.8-104.4 ms), so set ASYNCTP_GRAPHS=0 for fp8
+in that loop. Under torchtitan's own CUDA graphs the cache sees only the calls before the capture
+(2xH200: 12.1 GiB, default TP 12.3).
 """
 
 from __future__ import annotations
