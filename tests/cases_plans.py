@@ -160,3 +160,39 @@ def no_comm_run_after_vanilla_sends_nothing() -> list[str]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train(VARIANTS["no-comm"], settings, mesh, device)
     return sorted({e.name for e in prof.events() if e.name.startswith("gloo:")})
+
+
+def no_comm_collectives_are_local() -> dict[str, Any]:
+    """The no-communication baseline: inside local_collectives the functional collectives over the
+    fake mesh give what this rank's data gives (every output written: torch 2.11's fake group left
+    reduce-scatter outputs unwritten), one over the real group raises, and the override ends with
+    the block; the baseline's run trains on finite losses
+    (its parameters, split locally, equal vanilla's scattered ones)."""
+    import torch.distributed._functional_collectives as funcol
+
+    from asynctp.demo.model import SIZES
+    from asynctp.demo.nocomm import fake_mesh, local_collectives
+    from asynctp.demo.train import VARIANTS, TrainSettings, _build, train
+
+    mesh = _mesh("cpu")
+    fake = fake_mesh(mesh)
+    group, rank = fake.get_group(), mesh.get_rank()
+    x = torch.arange(8.0).view(4, 2) + 10 * rank
+    out: dict[str, Any] = {}
+    with local_collectives(fake):
+        out["gathered"] = funcol.all_gather_tensor(x, 0, group).equal(torch.cat([x, x]))
+        out["scattered"] = funcol.reduce_scatter_tensor(x, "sum", 0, group).equal(x.chunk(2)[rank])
+        out["reduced"] = funcol.all_reduce(x, "sum", group).equal(x)
+        try:
+            funcol.all_reduce(x, "sum", mesh.get_group())
+            out["real group"] = "no error"
+        except RuntimeError as exc:
+            out["real group"] = str(exc)
+    out["real after"] = funcol.all_reduce(x, "sum", mesh.get_group()).equal(2 * torch.arange(8.0).view(4, 2) + 10)
+    settings = TrainSettings(cfg=SIZES["tiny"], steps=3, dtype=torch.float32, lr=1e-3, warmup=1)
+    shards = [{n: p.to_local() for n, p in _build(VARIANTS[v], settings, mesh, torch.device("cpu")).named_parameters()}
+              for v in ("vanilla", "no-comm")]
+    out["same shards"] = shards[0].keys() == shards[1].keys() and all(shards[0][n].equal(shards[1][n]) for n in shards[0])
+    losses = train(VARIANTS["no-comm"], settings, mesh, torch.device("cpu")).losses
+    out["finite"] = all(torch.isfinite(torch.tensor(losses)).tolist())
+    return out

@@ -43,13 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a run: asynctp's styles with strategy='serial' (each collective, then its matmul: same "
                              "numerics and fp8 recipe, nothing overlapped), and compare asynctp with it too")
     parser.add_argument("--no-comm-baseline", action="store_true",
-                        help="add a run: vanilla TP with every collective skipped (a fake process group: wrong losses, "
-                             "the same compute and host work): vanilla's step time minus this run's is the communication "
-                             "vanilla TP leaves exposed, and asynctp's share of it is reported")
+                        help="add a run: vanilla TP with every collective a local copy of this rank's data (a fake "
+                             "process group: wrong losses, the same compute on real values): vanilla's step time minus "
+                             "this run's is the communication vanilla TP leaves exposed, and asynctp's share of it is reported")
     parser.add_argument("--control", action="store_true",
                         help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile: rank 0 writes each run's profiler trace (Chrome trace, gzipped) to --out")
     parser.add_argument("--host-profile", action="store_true",
                         help="queue 3 extra steps of each run under cProfile: where the host time goes (in the JSON)")
     parser.add_argument("--regather-input", action="store_true",
@@ -91,6 +93,9 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
             flag = "--profile" if args.profile else "--torch-async-tp"
             print(f"asynctp demo: {flag} requires >= 2 GPUs, got {num_gpus}", file=sys.stderr)
             return 2
+    if getattr(args, "trace", False) and not args.profile:
+        print("asynctp demo: --trace requires --profile", file=sys.stderr)
+        return 2
     if args.interleave and (args.compile or args.torch_async_tp or args.asynctp_pass):
         print("asynctp demo: --interleave requires eager runs, got --compile, --torch-async-tp or --asynctp-pass",
               file=sys.stderr)
@@ -119,6 +124,7 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
         float8=None if args.float8 == "none" else args.float8,
         compile=args.compile,
         profile_steps=5 if args.profile else 0,
+        trace_dir=str(args.out) if getattr(args, "trace", False) else None,
         host_profile_steps=3 if getattr(args, "host_profile", False) else 0,
         save_gathered_input=not args.regather_input,
         share_gathers=not args.no_shared_gather,

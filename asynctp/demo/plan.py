@@ -71,9 +71,10 @@ def tp_plan(
 
 def parallelize(
     model: Transformer, mesh: DeviceMesh, asynchronous: bool, float8: Any = None,
-    save_gathered_input: bool = False, share_gathers: bool = True, strategy: str = "auto",
+    save_gathered_input: bool = False, share_gathers: bool = True, strategy: str = "auto", src_data_rank: int | None = 0,
 ) -> nn.Module:
-    """Shard `model` in place over the 1-D `mesh` with the vanilla or the async plan."""
+    """Shard `model` in place over the 1-D `mesh` with the vanilla or the async plan. src_data_rank:
+    the rank whose parameters are scattered (None: each rank splits its own, as parallelize_module)."""
     model.cfg.check_tp(mesh.size())
     plan = tp_plan(model.cfg.num_layers, asynchronous, float8, save_gathered_input, share_gathers, strategy)
-    return parallelize_module(model, mesh, plan)
+    return parallelize_module(model, mesh, plan, src_data_rank=src_data_rank)

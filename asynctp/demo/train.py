@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from asynctp.demo.data import MarkovTokens
 from asynctp.demo.model import ModelConfig, Transformer
+from asynctp.demo.nocomm import fake_mesh, local_collectives
 from asynctp.demo.plan import parallelize
 from asynctp.ops import dispatch
 
@@ -66,6 +67,7 @@ class TrainSettings:
     compile: bool = False
     warmup: int = 3  # steps left out of the timings (allocation, autotuning, compilation)
     profile_steps: int = 0  # extra steps run under torch.profiler (0: no profile)
+    trace_dir: str | None = None  # where rank 0 writes each run's profiler trace (profile_steps > 0)
     host_profile_steps: int = 0  # extra steps queued under cProfile (0: none): where the host time goes
     # async column-parallel layers keep the gathered input for wgrad (vanilla TP's memory use);
     # False re-gathers it in backward (less memory, one more overlapped gather); fp8 re-gathers
@@ -200,6 +202,8 @@ class _Run:
         cfg = settings.cfg
         self.settings, self.device = settings, device
         self.model = _build(variant, settings, mesh, device)
+        # the no-communication run's collectives stay local while it trains (demo/nocomm.py)
+        self._local = (lambda: local_collectives(fake_mesh(mesh))) if variant.no_comm else contextlib.nullcontext
         # fused on CUDA (one kernel per parameter group, as torchtitan runs it): the foreach
         # implementation over DTensor parameters spends ~15 ms of host time a step at the 8B block
         self.opt = torch.optim.AdamW(
@@ -214,6 +218,10 @@ class _Run:
         """`count` steps queued back to back, the host waiting for the GPU only after the last;
         each step's (loss, seconds), seconds being the stretch's time over `count` (one step:
         its own time, from an idle GPU). Its pipelined calls are counted for this run."""
+        with self._local():
+            return self._steps(count)
+
+    def _steps(self, count: int) -> list[tuple[float, float]]:
         from asynctp.runtime import graphs
 
         cfg, device, result = self.settings.cfg, self.device, self.result
@@ -244,7 +252,8 @@ class _Run:
         """Profile (when asked), free the model, and return the record."""
         now = dispatch.calls()
         self.result.op_calls = {k: v - self._op_calls.get(k, 0) for k, v in now.items() if v > self._op_calls.get(k, 0)}
-        self._profile()
+        with self._local():
+            self._profile()
         del self.model, self.opt
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -254,11 +263,11 @@ class _Run:
         settings, device, cfg = self.settings, self.device, self.settings.cfg
         model, opt, data = self.model, self.opt, self.data
         if settings.profile_steps:
-            from asynctp.demo.profile import profile_steps
+            from asynctp.demo.profile import profile_steps, trace_path
 
-            self.result.profile = profile_steps(
-                lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device)), settings.profile_steps
-            )
+            trace = trace_path(settings.trace_dir, self.result.name)
+            step = lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device))  # noqa: E731
+            self.result.profile = profile_steps(step, settings.profile_steps, trace)
         if settings.host_profile_steps:
             from asynctp.demo.profile import host_profile
 
@@ -276,9 +285,11 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     float8 = settings.float8 if variant.asynchronous else None
     save = settings.save_gathered_input and float8 is None
     if variant.no_comm:
-        mesh = _fake_mesh(mesh)
+        mesh = fake_mesh(mesh)
+    # the no-communication run splits its own copy of the model (every rank built the same one): the
+    # fake group's scatter leaves the shards unwritten on some releases
     parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous,
-                share_gathers=settings.share_gathers, strategy=variant.strategy)
+                share_gathers=settings.share_gathers, strategy=variant.strategy, src_data_rank=None if variant.no_comm else 0)
     if variant.torch_async_tp:
         _enable_torch_async_tp(mesh)
     if settings.compile or variant.torch_async_tp or variant.asynctp_pass:
@@ -296,32 +307,6 @@ def _nudge_one_weight(model: torch.nn.Module) -> None:
     w = next(p for p in model.parameters() if p.dim() == 2)
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
     w.view(-1)[:1].view(bits).add_(1)
-
-
-_FAKE_MESHES: dict[tuple, DeviceMesh] = {}
-
-
-def _fake_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The same ranks as the 1-D `mesh`, over a fake process group: its collectives return at once
-    without communicating (some releases copy the local input into every chunk: a local copy, no
-    peer). Made once per process (new_group is collective: every rank builds its runs in the same
-    order)."""
-    import torch.distributed as dist
-
-    ranks = tuple(mesh.mesh.flatten().tolist())
-    key = (mesh.device_type, ranks)
-    if key not in _FAKE_MESHES:
-        try:  # registers the "fake" backend (torch's own test helper)
-            import torch.testing._internal.distributed.fake_pg  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - every supported release has it
-            raise RuntimeError(f"the no-communication baseline requires torch's fake process group, "
-                               f"got an import error: {exc}") from exc
-        group = dist.new_group(ranks=list(ranks), backend="fake")
-        # a dim name of its own: DeviceMesh equality ignores the process group, and DTensor's
-        # sharding cache keeps the mesh of the first equal one it saw, so an unnamed fake mesh
-        # made after a run over the real one sent its "skipped" collectives over the real group
-        _FAKE_MESHES[key] = DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("no_comm",))
-    return _FAKE_MESHES[key]
 
 
 def _enable_torch_async_tp(mesh: DeviceMesh) -> None:

@@ -71,3 +71,14 @@ def test_demo_no_comm_baseline_after_vanilla_sends_nothing(pool):
     if pool.world_size != 2:
         pytest.skip("the tiny demo model splits over 2 ranks")
     assert pool.run(cases_plans.no_comm_run_after_vanilla_sends_nothing) == [[], []]
+
+
+def test_demo_no_comm_baseline_computes_on_real_values(pool):
+    from tests import cases_plans
+
+    if pool.world_size != 2:
+        pytest.skip("the tiny demo model splits over 2 ranks")
+    for out in pool.run(cases_plans.no_comm_collectives_are_local):
+        assert out["gathered"] and out["scattered"] and out["reduced"] and out["real after"]
+        assert "requires its collectives on the fake group" in out["real group"]
+        assert out["same shards"] and out["finite"]

@@ -185,6 +185,22 @@ def test_profile_steps_runs_without_gpu_kernels():
     assert out["collectives_per_step"] == {}
 
 
+def test_profile_steps_writes_the_trace(tmp_path):
+    import gzip
+    import json
+
+    from asynctp.demo.profile import profile_steps, trace_path
+
+    path = trace_path(str(tmp_path / "traces"), "asynctp, fp8 rowwise")
+    assert path == str(tmp_path / "traces" / "trace_asynctp_fp8_rowwise_rank0.json.gz")
+    assert trace_path(None, "asynctp") is None
+    a = torch.randn(64, 64)
+    profile_steps(lambda: a @ a, 2, path)
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any("mm" in e.get("name", "") for e in events)
+
+
 def test_profile_kernel_intervals_skip_gpu_annotations():
     """A compiled graph's GPU-side annotation spans its kernels and the gaps between them: only
     kernels and copies are classified."""
