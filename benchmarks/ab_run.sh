@@ -6,7 +6,7 @@
 #   git diff main my-branch > change.patch
 #   PATCH=change.patch STEPS="fp8demo titan" bash benchmarks/ab_run.sh
 # Steps: test (B's GPU tests matching TESTS, a pytest -k expression), demo / fp8demo (the compiled
-# 8B-shaped block at batch 1, bf16 / fp8 rowwise; vanilla TP in the same run), titan (torchtitan
+# 8B-shaped block, bf16 / fp8 rowwise, DEMO_ARGS default batch 1; vanilla TP in the same run), titan (torchtitan
 # eager, VARIANTS default "asynctp asynctp_fp8"; carry .torchtitan_kit), train (train_bench.py at
 # TRAIN_ARGS). Compiles are cached in .inductor_cache across steps and calls of a warm machine: a
 # cold compiled demo takes about 225 s on 2xH100, a cached one about 70-140 s.
@@ -23,7 +23,7 @@ run() { local name=$1 limit=$2 dir=$3; shift 3; echo "== $name"; local t0=$SECON
   (cd $dir && PYTHONPATH=$dir timeout -s ABRT -k 15 $limit "$@") > $W/$name.log 2>&1
   echo "   rc=$? $((SECONDS - t0)) s"; grep -v -i "warn\|return func" $W/$name.log | tail -${TAILN:-10}
   tar czf $OUT/ab.tgz -C $W . ; }
-DEMO="python3 -m asynctp.cli demo --model 8b-block --compile --batch-size 1 --steps 30 --sync-every 10"
+DEMO="python3 -m asynctp.cli demo --model 8b-block --compile ${DEMO_ARGS:---batch-size 1 --steps 30 --sync-every 10}"
 for s in ${STEPS:-fp8demo}; do
   for side in A B; do
     dir=${!side}
