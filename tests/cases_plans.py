@@ -166,8 +166,8 @@ def no_comm_collectives_are_local() -> dict[str, Any]:
     """The no-communication baseline: inside local_collectives the functional collectives over the
     fake mesh give what this rank's data gives (every output written: torch 2.11's fake group left
     reduce-scatter outputs unwritten), one over the real group raises, and the override ends with
-    the block; the baseline's run trains on finite losses
-    (its parameters, split locally, equal vanilla's scattered ones)."""
+    the block; the baseline's parameters, split locally, equal vanilla's scattered ones, and its
+    run trains on finite losses."""
     import torch.distributed._functional_collectives as funcol
 
     from asynctp.demo.model import SIZES

@@ -82,11 +82,11 @@ def _collectives(prof: Any, num_steps: int) -> dict[str, float]:
 def host_profile(queue_step: Callable[[torch.Tensor], Any], batches: list[torch.Tensor], device: torch.device,
                  top: int = 30) -> str:
     """cProfile of one step queued per batch, back to back (the host waits for the device only
-    after the last): the host time a step and the functions by own time. The backward's host work
-    runs on autograd's device thread, and cProfile times the main thread and that one with one
-    clock: a frame's own time can hold the other thread's (2xH100, the compiled fp8 demo: 0.20 s
-    in torch's custom-op wrapper, where native samples put 1% of its time in the wrapper itself).
-    benchmarks/native_profile.sh samples each thread, native frames included."""
+    after the last): the host time a step and the functions by own time. Own times can hold time
+    that is not the frame's (2xH100, the compiled fp8 demo: 0.20 s in torch's custom-op wrapper,
+    where native samples put 1% of its time in the wrapper itself; the backward's host work runs on
+    autograd's device thread beside this one). benchmarks/native_profile.sh samples each thread,
+    native frames included."""
     import cProfile
     import io
     import pstats
