@@ -6,9 +6,9 @@
 #   git diff main my-branch > change.patch
 #   PATCH=change.patch STEPS="fp8demo titan" bash benchmarks/ab_run.sh
 # Steps: test (B's GPU tests matching TESTS, a pytest -k expression), demo / fp8demo (the compiled
-# 8B-shaped block, bf16 / fp8 rowwise, DEMO_ARGS default batch 1; vanilla TP in the same run), titan (torchtitan
-# eager, VARIANTS default "asynctp asynctp_fp8"; carry .torchtitan_kit), train (train_bench.py at
-# TRAIN_ARGS). Compiles are cached in .inductor_cache across steps and calls of a warm machine: a
+# 8B-shaped block, bf16 / fp8 rowwise, at DEMO_ARGS, default batch 1; vanilla TP in the same run),
+# titan (torchtitan eager, VARIANTS default "asynctp asynctp_fp8"; carry .torchtitan_kit), train
+# (train_bench.py at TRAIN_ARGS). Compiles are cached in .inductor_cache across steps and calls of a warm machine: a
 # cold compiled demo takes about 225 s on 2xH100, a cached one about 70-140 s.
 set -u
 PATCH=${PATCH:?usage: PATCH=change.patch STEPS="..." bash benchmarks/ab_run.sh}

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
             flag = "--profile" if args.profile else "--torch-async-tp"
             print(f"asynctp demo: {flag} requires >= 2 GPUs, got {num_gpus}", file=sys.stderr)
             return 2
-    if getattr(args, "trace", False) and not args.profile:
+    if args.trace and not args.profile:
         print("asynctp demo: --trace requires --profile", file=sys.stderr)
         return 2
     if args.interleave and (args.compile or args.torch_async_tp or args.asynctp_pass):
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
         float8=None if args.float8 == "none" else args.float8,
         compile=args.compile,
         profile_steps=5 if args.profile else 0,
-        trace_dir=str(args.out) if getattr(args, "trace", False) else None,
+        trace_dir=str(args.out) if args.trace else None,
         host_profile_steps=3 if getattr(args, "host_profile", False) else 0,
         save_gathered_input=not args.regather_input,
         share_gathers=not args.no_shared_gather,

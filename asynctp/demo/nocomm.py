@@ -51,7 +51,7 @@ def local_collectives(mesh: DeviceMesh) -> Iterator[None]:
     """Within the block, torch's functional collectives (eager, and in compiled graphs) over the
     fake `mesh` run locally; one over any other group raises (the no-communication run has none)."""
     group = mesh.get_group()
-    name, size, rank = group.group_name, group.size(), group.rank()
+    name, rank = group.group_name, group.rank()
 
     def own(group_name: str) -> None:
         if group_name != name:
@@ -94,9 +94,6 @@ def local_collectives(mesh: DeviceMesh) -> Iterator[None]:
         "all_reduce": reduce,
         "all_reduce_": reduce_,
     }
-    if size == 1:  # nothing to replace
-        yield
-        return
     with torch.library._scoped_library("_c10d_functional", "IMPL") as lib, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
         for op, fn in impls.items():

@@ -13,10 +13,13 @@ was recovered.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["profile_steps", "trace_path", "exposed_time", "host_profile"]
 
@@ -57,11 +60,6 @@ def profile_steps(step: Callable[[], Any], num_steps: int, trace_path: str | Non
 def trace_path(trace_dir: str | None, run_name: str) -> str | None:
     """Where rank 0 writes a run's profiler trace under trace_dir (made if missing); None on other
     ranks and without a trace_dir."""
-    import os
-    import re
-
-    import torch.distributed as dist
-
     if trace_dir is None or (dist.is_initialized() and dist.get_rank() != 0):
         return None
     os.makedirs(trace_dir, exist_ok=True)
