@@ -5,6 +5,7 @@
 # the logs' tails on stdout.
 #   git diff main my-branch > change.patch
 #   PATCH=change.patch STEPS="fp8demo titan" bash benchmarks/ab_run.sh
+#   PATCH="one.patch two.patch" ...     # sides A, B (one.patch), C (two.patch), in turn per step
 # Steps: test (B's GPU tests matching TESTS, a pytest -k expression), demo / fp8demo (the compiled
 # 8B-shaped block, bf16 / fp8 rowwise, at DEMO_ARGS, default batch 1; vanilla TP in the same run),
 # titan (torchtitan eager, VARIANTS default "asynctp asynctp_fp8"; carry .torchtitan_kit), train
@@ -13,11 +14,16 @@
 set -u
 PATCH=${PATCH:?usage: PATCH=change.patch STEPS="..." bash benchmarks/ab_run.sh}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor_cache
-A=$PWD B=/tmp/asynctp-ab/tree W=/tmp/asynctp-ab/logs
+A=$PWD W=/tmp/asynctp-ab/logs
 mkdir -p $W
-if [ ! -d $B ]; then
-  mkdir -p $B && cp -r "$A/." $B && (cd $B && git apply "$A/$PATCH") || { echo "$PATCH does not apply"; rm -rf $B; exit 1; }
-fi
+SIDES=A; side=A
+for p in $PATCH; do
+  side=$(echo $side | tr A-Y B-Z); SIDES="$SIDES $side"; printf -v $side %s /tmp/asynctp-ab/tree_$side
+  d=${!side}
+  if [ ! -d $d ]; then
+    mkdir -p $d && cp -r "$A/." $d && (cd $d && git apply "$A/$p") || { echo "$p does not apply"; rm -rf $d; exit 1; }
+  fi
+done
 # run NAME LIMIT DIR CMD...: CMD in DIR with DIR's package on the path
 run() { local name=$1 limit=$2 dir=$3; shift 3; echo "== $name"; local t0=$SECONDS
   (cd $dir && PYTHONPATH=$dir timeout -s ABRT -k 15 $limit "$@") > $W/$name.log 2>&1
@@ -25,10 +31,10 @@ run() { local name=$1 limit=$2 dir=$3; shift 3; echo "== $name"; local t0=$SECON
   tar czf $OUT/ab.tgz -C $W . ; }
 DEMO="python3 -m asynctp.cli demo --model 8b-block --compile ${DEMO_ARGS:---batch-size 1 --steps 30 --sync-every 10}"
 for s in ${STEPS:-fp8demo}; do
-  for side in A B; do
+  for side in $SIDES; do
     dir=${!side}
     case $s in
-      test) [ $side = B ] && run test_B 300 $dir python3 -m pytest -q -rf -p no:cacheprovider --timeout=150 tests/gpu -k "${TESTS:?TESTS: a pytest -k expression}" ;;
+      test) [ $side != A ] && run test_$side 300 $dir python3 -m pytest -q -rf -p no:cacheprovider --timeout=150 tests/gpu -k "${TESTS:?TESTS: a pytest -k expression}" ;;
       demo) run demo_$side 330 $dir $DEMO --out $W/demo_$side ;;
       fp8demo) run fp8demo_$side 330 $dir $DEMO --float8 rowwise --out $W/fp8demo_$side ;;
       titan) [ -d $dir/.torchtitan_kit ] || cp -r $A/.torchtitan_kit $dir/
