@@ -214,6 +214,7 @@ def compiled_block_matches(device: str, batch: int = 2) -> dict[str, Any]:
         "rs": report.count("asynctp.matmul_reduce_scatter"),
         "unfused": [r.describe() for r in report.unfused],
         "matmuls": sorted(r.num_matmuls for r in report.fused if r.kind == "all-gather"),
+        "rs_matmuls": sorted(r.num_matmuls for r in report.fused if r.kind == "reduce-scatter"),
         "text": str(report),
     }
 

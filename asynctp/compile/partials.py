@@ -7,6 +7,13 @@ Forms (P_i = A_i @ B_i, each read by nothing else):
                       or of w1 / w3, when they share one gather: vanilla TP sums the partials first)
     row ops:          P -> transpose / permute / clone / reshape -> reduce-scatter   (a sequence-major
                       layout such as torchtitan 0.3's: [B, S, N] -> [S, B, N] -> scattered on S)
+    summed collectives: add(RS(P_q), RS(P_k)) -> RS(add(P_q, P_k)) first (merge_summed), then the
+                      sum of siblings: a plan with one ColwiseParallel per linear (torch's styles)
+                      gathers once for wq / wk / wv under compile but reduce-scatters each input
+                      gradient in the backward and sums the shards; merged, one collective carries
+                      what three did. The reduction is linear (sum, avg), so the result is the same
+                      up to rounding: the products are summed in fp32 inside one GEMM instead of
+                      rounded per collective and added after.
 
 Why this is exact: every op kept here moves or regroups whole rows and leaves the last dim alone,
 so applying it to A instead of P gives the same product (row i of op(A) @ B is row i of op(P));
@@ -24,8 +31,9 @@ import torch
 import torch.fx as fx
 
 from asynctp.compile import patterns as pt
+from asynctp.compile.report import CollectiveRecord
 
-__all__ = ["Term", "match_terms", "terms_problem", "fuse_terms", "ROW_OPS", "FOLDED"]
+__all__ = ["Term", "match_terms", "terms_problem", "fuse_terms", "merge_summed", "merged_records", "ROW_OPS", "FOLDED"]
 
 aten = torch.ops.aten
 # ops that regroup rows and keep the last dim: they commute with a matmul's B
@@ -161,3 +169,93 @@ def fuse_terms(rw: Any, r: pt.ReduceScatter, terms: list[Term], between: list[fx
     index = {node: i for i, node in enumerate(rw.graph.nodes)}
     rw.erase_unused(sorted(replaced, key=index.__getitem__))
     return None
+
+
+def _adds(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.target is aten.add.Tensor and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
+
+
+def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tuple[Any, Any, Any] | None:
+    """(first, second, rest): two reduce-scatters whose results `node` adds, add(RS_a, RS_b)
+    (rest None) or add(add(rest, RS_a), RS_b) in either order of arguments (a gradient summed
+    into a running sum, as autograd does), where merging them is sound."""
+    if not _adds(node):
+        return None
+    rest = None
+    first, second = (by_wait.get(arg) if isinstance(arg, fx.Node) else None for arg in node.args)
+    if (first is None) != (second is None):  # one side a running sum that ends in a reduce-scatter
+        inner = node.args[0] if first is None else node.args[1]
+        if not _adds(inner) or len(inner.users) != 1:
+            return None
+        for i, arg in enumerate(inner.args):
+            if isinstance(arg, fx.Node) and arg in by_wait:
+                rest = inner.args[1 - i]
+                first, second = (by_wait[arg], second) if first is None else (first, by_wait[arg])
+                break
+    if first is None or second is None or first is second:
+        return None
+    vals = [pt.tensor_of(r.input) for r in (first, second)]
+    if vals[0] is None or vals[1] is None or (vals[0].shape, vals[0].dtype) != (vals[1].shape, vals[1].dtype):
+        return None
+    a, b = first, second
+    if (a.group_name, a.reduce_op, a.scatter_dim) != (b.group_name, b.reduce_op, b.scatter_dim) or a.reduce_op not in ("sum", "avg"):
+        return None
+    if any(len(r.wait.users) != 1 or set(r.rs.users) != {r.wait} for r in (a, b)):
+        return None
+    return a, b, rest
+
+
+def merge_summed(rw: Any, scatters: list[pt.ReduceScatter]) -> tuple[list[pt.ReduceScatter], dict[fx.Node, Any]]:
+    """Fold each add of two reduce-scatters' results into one reduce-scatter of the added partials
+    (see the module's docstring): (the reduce-scatters left, {the collective node of each one
+    merged away: (the one it now sums into, itself)}). The later collective is kept, reading the
+    sum; a running sum add(add(rest, RS_a), RS_b) becomes add(rest, RS(a + b))."""
+    by_wait = {r.wait: r for r in scatters if not r.problem and r.wait is not None and isinstance(r.input, fx.Node)}
+    merged: dict[fx.Node, Any] = {}
+    changed = True
+    while changed:
+        changed = False
+        order = {node: i for i, node in enumerate(rw.graph.nodes)}
+        for node in list(rw.graph.nodes):
+            pair = _summed_pair(node, by_wait)
+            if pair is None:
+                continue
+            first, second, rest = pair
+            keep, gone = (first, second) if order[first.rs] > order[second.rs] else (second, first)
+            start = min(keep.nodes, key=order.__getitem__)
+            if order[gone.input] >= order[start]:
+                continue  # (the graph's order would not allow the sum there)
+            total = rw.call(aten.add.Tensor, (first.input, second.input), start)
+            for user in keep.nodes:
+                user.replace_input_with(keep.input, total)
+            keep.input = total
+            if rest is None:
+                node.replace_all_uses_with(keep.wait)
+                rw.graph.erase_node(node)
+            else:
+                inner = next(arg for arg in node.args if arg not in by_wait)
+                node.args = (rest, keep.wait)
+                rw.graph.erase_node(inner)
+            rw.erase_unused(sorted(gone.nodes, key=order.__getitem__))
+            del by_wait[gone.wait]
+            merged[gone.rs] = (keep, gone)
+            changed = True
+            break
+    return [r for r in scatters if r.rs not in merged], merged
+
+
+def merged_records(merged: dict[fx.Node, Any], records: dict[fx.Node, CollectiveRecord]) -> list[CollectiveRecord]:
+    """A record per reduce-scatter merge_summed folded away, fused as the one it sums into is
+    (records: by collective node, of the reduce-scatters left)."""
+    out = []
+    for rs, (keep, gone) in merged.items():
+        while keep.rs in merged:
+            keep = merged[keep.rs][0]
+        into = records[keep.rs]
+        val = pt.tensor_of(gone.input)
+        why = f"summed with {keep.rs.name}'s partial before one reduce-scatter"
+        out.append(CollectiveRecord(
+            kind="reduce-scatter", node=rs.name, dim=gone.scatter_dim, group_name=gone.group_name,
+            shape=tuple(val.shape) if val is not None else None, fused=into.fused, op=into.op,
+            reason=why if into.fused else f"{why}, which was not fused: {into.reason}"))
+    return out

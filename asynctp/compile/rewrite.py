@@ -377,9 +377,17 @@ def rewrite_graph(graph: fx.Graph) -> list[CollectiveRecord]:
         else:
             found[i] = rewriter.guarded("all-gather", g.ag, rewriter.gather, g)
     records = [found[i] for i in range(len(gathers))]
-    records += [rewriter.guarded("reduce-scatter", r.rs, rewriter.reduce_scatter, r)
-                for r in pt.find_reduce_scatters(graph)]
-    if any(r.fused for r in records):
+    scatters = pt.find_reduce_scatters(graph)
+    rewriter.mutated = False
+    try:  # sums of reduce-scatters become one reduce-scatter of the summed partials first
+        scatters, merged = partials.merge_summed(rewriter, scatters)
+    except Exception:  # noqa: BLE001 - an unforeseen form is left as it is, unless it was edited
+        if rewriter.mutated:
+            raise
+        merged = {}
+    left = {r.rs: rewriter.guarded("reduce-scatter", r.rs, rewriter.reduce_scatter, r) for r in scatters}
+    records += [*left.values(), *partials.merged_records(merged, left)]
+    if merged or any(r.fused for r in records):
         stable_topological_sort(graph)
         graph.lint()
     return records

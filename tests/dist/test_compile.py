@@ -20,9 +20,11 @@ def test_compiled_block_same_loss_and_grads(pool):
     assert got["unfused"] == [], got["text"]
     # forward: x -> q, k, v (one gather, 3 matmuls), h -> w1, w3 (2); wo and w2 reduce-scatter.
     # backward: the output grads of wo and w2 are gathered (dgrad), and the input grads of the five
-    # column-parallel linears are reduce-scattered.
+    # column-parallel linears, one reduce-scatter each, are summed: merged into one op for wq / wk
+    # / wv (3 matmuls) and one for w1 / w3 (2), the three others folded into them (0)
     assert got["ag"] == 4 and got["rs"] == 7, got["text"]
     assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+    assert got["rs_matmuls"] == [0, 0, 0, 1, 1, 2, 3], got["text"]
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])
@@ -31,7 +33,7 @@ def test_compiled_block_batch1_same_loss_and_grads(pool):
     got = pool.run(cases_compile.compiled_block_matches, "cpu", 1, timeout=900)[0]
     assert got["unfused"] == [], got["text"]
     assert got["ag"] == 4 and got["rs"] == 7, got["text"]
-    assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+    assert got["matmuls"] == [1, 1, 2, 3] and got["rs_matmuls"] == [0, 0, 0, 1, 1, 2, 3], got["text"]
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True, ids=["world2"])

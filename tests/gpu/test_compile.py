@@ -15,6 +15,7 @@ def test_compiled_block_same_loss_and_grads(pool):
     assert got["unfused"] == [], got["text"]
     assert got["ag"] == 4 and got["rs"] == 7, got["text"]
     assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+    assert got["rs_matmuls"] == [0, 0, 0, 1, 1, 2, 3], got["text"]  # the summed input gradients merged
 
 
 def test_compiled_block_batch1_same_loss_and_grads(pool):
@@ -22,7 +23,7 @@ def test_compiled_block_batch1_same_loss_and_grads(pool):
     got = pool.run(cases_compile.compiled_block_matches, "cuda", 1, timeout=900)[0]
     assert got["unfused"] == [], got["text"]
     assert got["ag"] == 4 and got["rs"] == 7, got["text"]
-    assert got["matmuls"] == [1, 1, 2, 3], got["text"]
+    assert got["matmuls"] == [1, 1, 2, 3] and got["rs_matmuls"] == [0, 0, 0, 1, 1, 2, 3], got["text"]
 
 
 def test_compiled_demo_model_grads_match_without_the_pass(pool):

@@ -77,6 +77,67 @@ def test_sum_with_a_bias_term_is_not_fused():
     assert not rec.fused and "bias" in rec.reason, rec.describe()
 
 
+# --- sums of reduce-scatters (torch's styles: one collective per linear) -------------------------
+
+
+def test_summed_reduce_scatters_become_one_op_over_the_concatenation():
+    """w1 / w3's input gradient under one ColwiseParallel each: RS(g1 @ w1) + RS(g3 @ w3)."""
+    f = lambda g1, g3, w1, w3: cc.reduce_scatter(g1 @ w1, 1) + cc.reduce_scatter(g3 @ w3, 1)  # noqa: E731
+    gm, recs = rewrite(f, (2, 4, 6), (2, 4, 6), (6, 8), (6, 8))
+    assert [r.fused for r in recs] == [True, True], [r.describe() for r in recs]
+    kept, gone = recs
+    assert kept.num_matmuls == 2 and f"summed with {kept.node}'s partial" in gone.reason, gone.describe()
+    node = fused_rs(gm)
+    assert node.args[2] == 1 and shape(node.args[0]) == (2, 4, 12) and shape(node.args[1]) == (12, 8)
+    assert not {C10D_RS, "aten.mm.default", "aten.add.Tensor"} & set(cc.targets(gm))
+
+
+def test_three_summed_reduce_scatters_become_one_op():
+    """wq / wk / wv under one ColwiseParallel each (GQA: narrower k and v)."""
+    def f(gq, gk, gv, wq, wk, wv):
+        return cc.reduce_scatter(gq @ wq, 1) + cc.reduce_scatter(gk @ wk, 1) + cc.reduce_scatter(gv @ wv, 1)
+
+    gm, recs = rewrite(f, (2, 4, 8), (2, 4, 4), (2, 4, 4), (8, 6), (4, 6), (4, 6))
+    assert all(r.fused for r in recs) and len(recs) == 3 and recs[0].num_matmuls == 3, [r.describe() for r in recs]
+    assert shape(fused_rs(gm).args[0]) == (2, 4, 16) and shape(fused_rs(gm).args[1]) == (16, 6)
+    assert C10D_RS not in cc.targets(gm)
+
+
+def test_reduce_scatters_summed_into_a_running_sum_merge():
+    """Autograd's order: the residual's gradient first, then each branch's: (t + RS_1) + RS_3."""
+    f = lambda t, g1, g3, w1, w3: t + cc.reduce_scatter(g1 @ w1, 1) + cc.reduce_scatter(g3 @ w3, 1)  # noqa: E731
+    gm, recs = rewrite(f, (2, 2, 8), (2, 4, 6), (2, 4, 6), (6, 8), (6, 8))
+    assert [r.num_matmuls for r in recs] == [2, 0] and all(r.fused for r in recs), [r.describe() for r in recs]
+    (add,) = cc.nodes_of(gm, "aten.add.Tensor")  # t + the one op's result
+    assert set(add.args) == {next(n for n in gm.graph.nodes if n.name == "t_1"), fused_rs(gm)}
+
+
+def test_running_sum_read_elsewhere_is_not_reassociated():
+    def f(t, g1, g3, w1, w3):
+        partial = t + cc.reduce_scatter(g1 @ w1, 1)
+        return partial + cc.reduce_scatter(g3 @ w3, 1), partial
+
+    gm, recs = rewrite(f, (2, 2, 8), (2, 4, 6), (2, 4, 6), (6, 8), (6, 8))
+    assert [r.num_matmuls for r in recs] == [1, 1], [r.describe() for r in recs]
+    assert len(cc.nodes_of(gm, RS)) == 2
+
+
+@pytest.mark.parametrize("case", ["other dims", "result read elsewhere"])
+def test_summed_reduce_scatters_left_apart(case):
+    """Scattered along different dims, or a collective's result read besides the sum: each its own op."""
+    if case == "other dims":
+        f = lambda p, q, w: cc.reduce_scatter(p @ w, 1) + cc.reduce_scatter(q @ w, 0)  # noqa: E731
+        shapes = ((2, 4, 6), (4, 2, 6), (6, 8))
+    else:
+        def f(p, q, w):
+            r = cc.reduce_scatter(p @ w, 1)
+            return r + cc.reduce_scatter(q @ w, 1), r.sum()
+        shapes = ((2, 4, 6), (2, 4, 6), (6, 8))
+    gm, recs = rewrite(f, *shapes)
+    assert [r.num_matmuls for r in recs] == [1, 1] and all(r.fused for r in recs), [r.describe() for r in recs]
+    assert len(cc.nodes_of(gm, RS)) == 2 and "aten.add.Tensor" in cc.targets(gm)
+
+
 # --- row ops between the product and the collective ----------------------------------------------
 
 
