@@ -178,7 +178,8 @@ def _adds(node: Any) -> bool:
 def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tuple[Any, Any, Any] | None:
     """(first, second, rest): two reduce-scatters whose results `node` adds, add(RS_a, RS_b)
     (rest None) or add(add(rest, RS_a), RS_b) in either order of arguments (a gradient summed
-    into a running sum, as autograd does), where merging them is sound."""
+    into a running sum, as autograd does), where merging them is sound and the merged partial
+    is a sum of products the fused op takes."""
     if not _adds(node):
         return None
     rest = None
@@ -201,6 +202,10 @@ def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tup
     if (a.group_name, a.reduce_op, a.scatter_dim) != (b.group_name, b.reduce_op, b.scatter_dim) or a.reduce_op not in ("sum", "avg"):
         return None
     if any(len(r.wait.users) != 1 or set(r.rs.users) != {r.wait} for r in (a, b)):
+        return None
+    # merged only where the sum then fuses: scaled (fp8) products fuse one by one, not summed
+    terms = [match_terms(r.input, [])[0] for r in (a, b)]
+    if terms[0] is None or terms[1] is None or terms_problem(terms[0] + terms[1]) is not None:
         return None
     return a, b, rest
 

@@ -102,6 +102,20 @@ def test_scaled_mm_reduce_scatter_tensorwise_2d():
     check_fused(rec, "asynctp.scaled_matmul_reduce_scatter")
 
 
+def test_summed_scaled_reduce_scatters_fuse_one_by_one():
+    """A sum of two scaled products' reduce-scatters is not merged (the fused op takes a scaled
+    product only directly): each is fused on its own."""
+    def f(x, y, w, s, sb):
+        rs = [cc.reduce_scatter(torch._scaled_mm(t.to(F8), w.to(F8).t(), s, sb, out_dtype=BF16), 0) for t in (x, y)]
+        return rs[0] + rs[1]
+
+    gm, recs = rewrite(f, (8, 16), (8, 16), (16, 16), (), ())
+    assert len(recs) == 2 and all(r.num_matmuls == 1 for r in recs), [r.describe() for r in recs]
+    for rec in recs:
+        check_fused(rec, "asynctp.scaled_matmul_reduce_scatter")
+    assert "aten.add.Tensor" in cc.targets(gm)
+
+
 @pytest.mark.skipif(not HAS_SCALED, reason="this asynctp has no fused scaled ops")
 def test_rowwise_scale_not_gathered_is_not_fused():
     def f(x, w, s, sb):
