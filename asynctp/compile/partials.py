@@ -172,7 +172,8 @@ def fuse_terms(rw: Any, r: pt.ReduceScatter, terms: list[Term], between: list[fx
 
 
 def _adds(node: Any) -> bool:
-    return isinstance(node, fx.Node) and node.target is aten.add.Tensor and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
+    return (isinstance(node, fx.Node) and node.target is aten.add.Tensor and len(node.args) == 2
+            and node.kwargs.get("alpha", 1) == 1)
 
 
 def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tuple[Any, Any, Any] | None:
@@ -199,7 +200,9 @@ def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tup
     if vals[0] is None or vals[1] is None or (vals[0].shape, vals[0].dtype) != (vals[1].shape, vals[1].dtype):
         return None
     a, b = first, second
-    if (a.group_name, a.reduce_op, a.scatter_dim) != (b.group_name, b.reduce_op, b.scatter_dim) or a.reduce_op not in ("sum", "avg"):
+    if (a.group_name, a.reduce_op, a.scatter_dim) != (b.group_name, b.reduce_op, b.scatter_dim):
+        return None
+    if a.reduce_op not in ("sum", "avg"):  # linear reductions only
         return None
     if any(len(r.wait.users) != 1 or set(r.rs.users) != {r.wait} for r in (a, b)):
         return None
