@@ -73,6 +73,12 @@ def _row_op_problem(node: fx.Node) -> str | None:
     return None
 
 
+def _adds(node: Any) -> bool:
+    """node is a plain sum of two tensors (no alpha)."""
+    return (isinstance(node, fx.Node) and node.target is aten.add.Tensor and len(node.args) == 2
+            and node.kwargs.get("alpha", 1) == 1)
+
+
 def match_terms(node: fx.Node, between: list[fx.Node], depth: int = 0) -> tuple[list[Term] | None, str]:
     """The matmul products that sum to `node` through adds and row ops, or (None, why not).
     between: collects the adds met on the way (erased with the products)."""
@@ -81,7 +87,7 @@ def match_terms(node: fx.Node, between: list[fx.Node], depth: int = 0) -> tuple[
     m, why = pt.producer_matmul(node)
     if m is not None:
         return [Term(m)], ""
-    if node.target is aten.add.Tensor and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+    if _adds(node):
         terms: list[Term] = []
         for part in node.args:
             if not isinstance(part, fx.Node) or not _same_shape(part, node):
@@ -171,19 +177,14 @@ def fuse_terms(rw: Any, r: pt.ReduceScatter, terms: list[Term], between: list[fx
     return None
 
 
-def _adds(node: Any) -> bool:
-    return (isinstance(node, fx.Node) and node.target is aten.add.Tensor and len(node.args) == 2
-            and node.kwargs.get("alpha", 1) == 1)
-
-
-def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tuple[Any, Any, Any] | None:
-    """(first, second, rest): two reduce-scatters whose results `node` adds, add(RS_a, RS_b)
-    (rest None) or add(add(rest, RS_a), RS_b) in either order of arguments (a gradient summed
-    into a running sum, as autograd does), where merging them is sound and the merged partial
-    is a sum of products the fused op takes."""
+def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tuple[Any, Any, Any, Any] | None:
+    """(first, second, inner, rest): two reduce-scatters whose results `node` adds: add(RS_a, RS_b)
+    (inner and rest None), or add(inner, RS_b) with inner = add(rest, RS_a), in either order of
+    arguments (a gradient summed into a running sum, as autograd does); where merging them is
+    sound and the merged partial is a sum of products the fused op takes."""
     if not _adds(node):
         return None
-    rest = None
+    inner = rest = None
     first, second = (by_wait.get(arg) if isinstance(arg, fx.Node) else None for arg in node.args)
     if (first is None) != (second is None):  # one side a running sum that ends in a reduce-scatter
         inner = node.args[0] if first is None else node.args[1]
@@ -210,7 +211,7 @@ def _summed_pair(node: fx.Node, by_wait: dict[fx.Node, pt.ReduceScatter]) -> tup
     terms = [match_terms(r.input, [])[0] for r in (a, b)]
     if terms[0] is None or terms[1] is None or terms_problem(terms[0] + terms[1]) is not None:
         return None
-    return a, b, rest
+    return a, b, inner, rest
 
 
 def merge_summed(rw: Any, scatters: list[pt.ReduceScatter]) -> tuple[list[pt.ReduceScatter], dict[fx.Node, Any]]:
@@ -228,7 +229,7 @@ def merge_summed(rw: Any, scatters: list[pt.ReduceScatter]) -> tuple[list[pt.Red
             pair = _summed_pair(node, by_wait)
             if pair is None:
                 continue
-            first, second, rest = pair
+            first, second, inner, rest = pair
             keep, gone = (first, second) if order[first.rs] > order[second.rs] else (second, first)
             start = min(keep.nodes, key=order.__getitem__)
             if order[gone.input] >= order[start]:
@@ -237,11 +238,10 @@ def merge_summed(rw: Any, scatters: list[pt.ReduceScatter]) -> tuple[list[pt.Red
             for user in keep.nodes:
                 user.replace_input_with(keep.input, total)
             keep.input = total
-            if rest is None:
+            if inner is None:
                 node.replace_all_uses_with(keep.wait)
                 rw.graph.erase_node(node)
             else:
-                inner = next(arg for arg in node.args if arg not in by_wait)
                 node.args = (rest, keep.wait)
                 rw.graph.erase_node(inner)
             rw.erase_unused(sorted(gone.nodes, key=order.__getitem__))
