@@ -87,14 +87,18 @@ class GatherLayout:
         output row, count) each (see rank_runs)."""
         return rank_runs(src, lo, lo + count, self.m, self.segment, self.world_size)
 
-    def a_gathered(self, rows: torch.Tensor) -> torch.Tensor:
-        """The gathered a from stacked rows [R * m, k]: the serial reference's layout."""
+    def a_gathered(self, rows: torch.Tensor, placed: bool = False) -> torch.Tensor:
+        """The gathered a from stacked rows [R * m, k]: the serial reference's layout. placed:
+        row-mode rows written in out_runs' order (the outputs' order, Transport.gather's runs),
+        not rank order: a view, no reordering copy."""
+        if placed and not self.k_mode:
+            return self.restore(rows)
         if self.k_mode:
             lead = self.front_shape
             k = rows.shape[1]
             full = rows.view(self.world_size, self.m, k).permute(1, 0, 2).reshape(self.m, self.world_size * k)
             return full.view(*lead, self.world_size * k)
-        if self.segment:  # rank-major runs [R, L, seg, k] -> the caller's order [L, R, seg, k]
+        if self.segment:  # rank-major runs [R, L, seg, k] -> the caller's order [L, R, seg, k] (a copy)
             k = rows.shape[1]
             per_rank = rows.view(self.world_size, self.m // self.segment, self.segment, k)
             return per_rank.transpose(0, 1).reshape(*self.front_shape, k)

@@ -32,6 +32,7 @@ from asynctp.kernels.async_input_mm import ChunkMap, launch
 from asynctp.kernels.configs import Config, tune
 from asynctp.kernels.producer_mm import launch_producer
 from asynctp.kernels.triton_util import RawPointer, triton_available
+from asynctp.runtime.transport import Runs, place, rank_order
 
 __all__ = ["gather_available", "gather_matmul", "scatter_available", "matmul_scatter"]
 
@@ -184,8 +185,8 @@ def _wait_flag(ws, flag: torch.Tensor, what: str) -> None:
 
 def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,
                   keep_gathered: bool, a_scale: torch.Tensor | None = None, scale_rows: torch.Tensor | None = None,
-                  b_scales: list | None = None, out_dtype: torch.dtype | None = None):
-    """(gathered rows [R * m, K] rank-major or None, outputs [R * m, N_i] in the caller's row
+                  b_scales: list | None = None, out_dtype: torch.dtype | None = None, runs: Runs | None = None):
+    """(gathered rows [R * m, K] rank-major (runs: in runs' order, Transport.gather) or None, outputs [R * m, N_i] in the caller's row
     order (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment)). fp8:
     a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows).
 
@@ -214,14 +215,15 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 if their_scales is not None:
                     their_scales[j].copy_(scale_rows[j * rows : (j + 1) * rows])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + j)
-        if gathered is not None:  # rank-major, as the decomposition's rows
-            gathered[rank * m : (rank + 1) * m].copy_(shard_2d)
+        if gathered is not None:
+            runs = runs or rank_order(m)
+            place(gathered, runs, rank, 0, shard_2d)
             for step in range(1, world):
                 # a source's blocks and flags come in order from one stream: its last flag
                 # means all its rows are here, copied out at once
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
-                gathered[src * m : (src + 1) * m].copy_(all_rows[src * m : (src + 1) * m])
+                place(gathered, runs, src, 0, all_rows[src * m : (src + 1) * m])
     ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
     a_scale_ws = all_scales if scaled else a_scale

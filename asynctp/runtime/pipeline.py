@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from asynctp.runtime.carveout import sm_carveout
+from asynctp.runtime.transport import Runs, place, rank_order
 from asynctp.symm import Workspace
 
 __all__ = ["SymmTransport", "gather_and_consume", "produce_and_reduce_scatter", "row_blocks"]
@@ -66,15 +67,16 @@ def gather_and_consume(
     splits: int = 1,
     alternate: bool = True,
     lockstep: bool = False,
+    runs: Runs | None = None,
 ) -> None:
     """All-gather each shard ([m, ...], contiguous, same m) into gathered[i] ([R * m, ...], rank
-    order; None: the caller does not keep it) and call consume(src_rank, row_lo, blocks) as
+    order, or runs' order (Transport.gather); None: the caller does not keep it) and call consume(src_rank, row_lo, blocks) as
     blocks arrive: first the whole local shard (row_lo 0), then each peer's row blocks. consume
     must only read its blocks (they may be views of the workspace: never keep or return them);
     with alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
     lockstep: the local consume waits for the opening barrier (see _push_gather_and_consume)."""
     with sm_carveout(ws.device, "pipeline"), _settled(ws):
-        _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep)
+        _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep, runs)
 
 
 @contextlib.contextmanager
@@ -97,9 +99,10 @@ def _slots(shards: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep) -> None:
+def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep, runs) -> None:
     rank, world = ws.rank, ws.world_size
     m = shards[0].shape[0]
+    runs = runs or rank_order(m)
     offsets, total = _slots(shards)
     ws.ensure(world * total)  # slot s of a rank's buffer: what rank s pushed to it
     lanes = ws.lanes
@@ -130,7 +133,7 @@ def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, l
                 ws.put_signal(dst, channel=_SIGNAL_BASE + b)
         for g, t in zip(gathered, shards):
             if g is not None:
-                g[rank * m : (rank + 1) * m].copy_(t)
+                place(g, runs, rank, 0, t)
     i = 0
     for step in range(1, world):
         src = (rank - step) % world  # the peer whose first push goes to this rank at this step
@@ -145,7 +148,7 @@ def _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, l
                     lanes.wait(landed)
                     for g, p in zip(gathered, mine):
                         if g is not None:
-                            g[src * m + lo : src * m + hi].copy_(p[lo:hi])
+                            place(g, runs, src, lo, p[lo:hi])
             i += 1
     lanes.join()
 
@@ -261,9 +264,10 @@ class SymmTransport:
         self.rank, self.world_size = ws.rank, ws.world_size
 
     def gather(self, shards: list[torch.Tensor], gathered: list[torch.Tensor | None],
-               consume: Callable[[int, int, list[torch.Tensor]], None], *, alternate: bool, lockstep: bool) -> None:
+               consume: Callable[[int, int, list[torch.Tensor]], None], *, alternate: bool, lockstep: bool,
+               runs: Runs | None = None) -> None:
         gather_and_consume(self.ws, shards, gathered, consume, splits=self.splits, alternate=alternate,
-                           lockstep=lockstep and self.lockstep)
+                           lockstep=lockstep and self.lockstep, runs=runs)
 
     def reduce_scatter(self, produce: Callable[[int, int, int, torch.Tensor, torch.Tensor | None], None],
                        chunk_shape: tuple[int, int], dtype: torch.dtype, reduce_op: str, *,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from asynctp.runtime.carveout import sm_carveout
 from asynctp.runtime.collective import all_gather_rows
 from asynctp.runtime.pipeline import row_blocks
+from asynctp.runtime.transport import Runs, place
 from asynctp.symm import Lanes
 
 __all__ = ["RingTransport", "ring_gather_and_consume", "ring_produce_and_reduce_scatter"]
@@ -163,7 +164,8 @@ class RingTransport:
         self.rank, self.world_size = group.rank(), group.size()
 
     def gather(self, shards: list[torch.Tensor], gathered: list[torch.Tensor | None],
-               consume: Callable[[int, int, list[torch.Tensor]], None], *, alternate: bool, lockstep: bool) -> None:
+               consume: Callable[[int, int, list[torch.Tensor]], None], *, alternate: bool, lockstep: bool,
+               runs: Runs | None = None) -> None:
         m, world = shards[0].shape[0], self.world_size
         extras = []
         for shard in shards[1:]:
@@ -175,9 +177,14 @@ class RingTransport:
             hi = src * m + lo + blocks[0].shape[0]
             consume(src, lo, [blocks[0], *(rows[src * m + lo : hi] for rows in extras)])
 
-        # the ring receives into the gathered rows: made here when the caller does not keep them
-        into = gathered[0] if gathered[0] is not None else shards[0].new_empty((world * m, *shards[0].shape[1:]))
+        # the ring receives into the gathered rows in rank order: made here when the caller does
+        # not keep them or wants another order (then placed once the ring is done)
+        keep = gathered[0]
+        into = keep if keep is not None and runs is None else shards[0].new_empty((world * m, *shards[0].shape[1:]))
         ring_gather_and_consume(self.group, shards[0], into, with_extras if extras else consume)
+        if keep is not None and runs is not None:
+            for src in range(world):
+                place(keep, runs, src, 0, into[src * m : (src + 1) * m])
 
     def reduce_scatter(self, produce: Callable[[int, int, int, torch.Tensor, torch.Tensor | None], None],
                        chunk_shape: tuple[int, int], dtype: torch.dtype, reduce_op: str, *,

@@ -20,9 +20,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Transport", "Consume", "Produce"]
+__all__ = ["Transport", "Consume", "Produce", "Runs", "rank_order", "place"]
 
 Consume = Callable[[int, int, list[torch.Tensor]], None]
+Runs = Callable[[int, int, int], list[tuple[int, int, int]]]
 Produce = Callable[[int, int, int, torch.Tensor, "torch.Tensor | None"], None]
 
 
@@ -40,11 +41,15 @@ class Transport(Protocol):
         *,
         alternate: bool,
         lockstep: bool,
+        runs: Runs | None = None,
     ) -> None:
         """All-gather each shard ([m, ...], same m) into gathered[i] ([R * m, ...], rank order;
         None: not kept) and consume every block once it arrived, the local shard first.
         alternate: consecutive consumes may run on two streams (disjoint outputs only).
-        lockstep: the plan's lockstep may apply (False: the consumer shares state across blocks)."""
+        lockstep: the plan's lockstep may apply (False: the consumer shares state across blocks).
+        runs: where gathered rows go instead of rank order: runs(src, lo, count) lists rows lo :
+        lo + count of rank src's shard as (offset from lo, gathered row, count) runs (the
+        caller's order: GatherLayout.out_runs; no reordering copy afterwards)."""
         ...
 
     def reduce_scatter(
@@ -59,3 +64,15 @@ class Transport(Protocol):
         """This rank's reduced chunk (a fresh [m, n] tensor) of the partials produce makes.
         fused_acc: produce can write acc + partial (False: it is never given acc)."""
         ...
+
+
+def rank_order(m: int) -> Runs:
+    """The gathered rows' default order: rank src's m rows at src * m, one run."""
+    return lambda src, lo, count: [(0, src * m + lo, count)]
+
+
+def place(gathered: torch.Tensor, runs: Runs, src: int, lo: int, block: torch.Tensor) -> None:
+    """Copy block (rows lo : lo + len(block) of rank src's shard) into gathered, run by run
+    (each run a contiguous copy: a copy engine's, no SM kernel)."""
+    for off, row, count in runs(src, lo, block.shape[0]):
+        gathered[row : row + count].copy_(block[off : off + count])
