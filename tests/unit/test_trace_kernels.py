@@ -1,0 +1,56 @@
+"""benchmarks/trace_kernels.py: GPU kernel time per step side by side, and which host ops launched
+the copy kernels."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_kernels.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("trace_kernels", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trace(path: Path, copy_us: float, gemm_us: float) -> None:
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::reshape", "pid": 1, "tid": 2, "ts": 10, "dur": 30},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 2, "ts": 12, "dur": 10,
+         "args": {"Input Dims": [[2, 3], [2, 3]]}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 2, "ts": 13, "dur": 2,
+         "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 2, "ts": 50, "dur": 2,
+         "args": {"correlation": 8}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 60, "dur": gemm_us,
+         "args": {"correlation": 8}},
+    ]
+    if copy_us:
+        events.append({"ph": "X", "cat": "kernel", "name": "direct_copy_kernel", "pid": 0, "tid": 7, "ts": 30,
+                       "dur": copy_us, "args": {"correlation": 7}})
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_kernels_per_step_and_launchers(tmp_path, capsys, monkeypatch):
+    a, b = tmp_path / "trace_a_rank0.json.gz", tmp_path / "trace_b_rank0.json.gz"
+    _trace(a, copy_us=3000, gemm_us=8000)
+    _trace(b, copy_us=0, gemm_us=6000)
+    mod = _module()
+    by_name, chains = mod.summarize(str(a), ["copy"])
+    assert by_name == {"gemm": 8000, "direct_copy_kernel": 3000}
+    assert chains == {("direct_copy_kernel", ("aten::reshape", "aten::copy_", "[[2, 3], [2, 3]]")): 3000}
+    monkeypatch.setattr("sys.argv", ["trace_kernels.py", str(a), str(b), "--steps", "2"])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "ms a step: a | b" in out and "total: 5.50 | 3.00" in out
+    lines = out.splitlines()
+    # the kernel whose time moved most between the traces comes first (1.5 ms a step, then 1.0)
+    assert lines[2].split() == ["1.500", "|", "0.000", "direct_copy_kernel"]
+    assert lines[3].split() == ["4.000", "|", "3.000", "gemm"]
+    assert "1.500  direct_copy_kernel  <-  aten::reshape > aten::copy_ > [[2, 3], [2, 3]]" in out
