@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "fold_stacks.py"
+from tests.scripts import load
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("fold_stacks", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("fold_stacks")
 
 
 def test_fold_stacks_sums_threads_and_callees(tmp_path):

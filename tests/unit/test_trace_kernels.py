@@ -4,18 +4,14 @@ the copy kernels."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_kernels.py"
+from tests.scripts import load
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("trace_kernels", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("trace_kernels")
 
 
 def _trace(path: Path, copy_us: float, gemm_us: float) -> None:
