@@ -127,8 +127,8 @@ def _fused(ws: Workspace, lay: GatherLayout, bs: list[torch.Tensor], biases: lis
     """The single-launch GEMM (runtime/kernel_path.py) where it serves the call, else None."""
     if kernel_path.gather_available(ws, lay.shard_2d, lay.segment, lay.k_mode, min(b.shape[1] for b in bs)) is not None:
         return None
-    rows, out_rows = kernel_path.gather_matmul(ws, lay.shard_2d, bs, biases, segment=lay.segment, keep_gathered=return_a,
-                                               runs=lay.out_runs)
+    rows, out_rows = kernel_path.gather_matmul(ws, lay.shard_2d, bs, biases, segment=lay.segment,
+                                               keep_gathered=return_a, runs=lay.gathered_runs)
     return (None if rows is None else lay.a_gathered(rows, placed=True)), [lay.restore(o) for o in out_rows]
 
 
@@ -149,7 +149,7 @@ def _decomposed(
                 for out, b, bias in zip(out_rows, bs, biases):
                     matmul_bias(blocks[0][off : off + count], b, bias, out=out[row : row + count])
 
-        transport.gather([lay.shard_2d], [rows], consume, alternate=True, lockstep=True, runs=lay.out_runs)
+        transport.gather([lay.shard_2d], [rows], consume, alternate=True, lockstep=True, runs=lay.gathered_runs)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows, placed=True) if return_a else None), outs
 

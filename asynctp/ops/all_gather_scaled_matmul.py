@@ -185,7 +185,7 @@ def _fused(ws: Workspace, lay: GatherLayout, a_scale, scale_2d, bs, b_scales, bi
         ws, lay.shard_2d, bs, biases, segment=lay.segment, keep_gathered=return_a,
         a_scale=None if rowwise else a_scale.reshape(1).float(),
         scale_rows=scale_2d.reshape(-1).float().contiguous() if rowwise else None,
-        b_scales=[s.reshape(-1).float().contiguous() for s in b_scales], out_dtype=out_dtype, runs=lay.out_runs)
+        b_scales=[s.reshape(-1).float().contiguous() for s in b_scales], out_dtype=out_dtype, runs=lay.gathered_runs)
     return (None if rows is None else lay.a_gathered(rows, placed=True)), [lay.restore(o) for o in out_rows]
 
 
@@ -279,6 +279,6 @@ def _decomposed(
                 if return_scale:
                     out_rows[-1][row : row + count].copy_(blocks[1][off : off + count])
 
-        transport.gather(shards, gathered, consume, alternate=True, lockstep=True, runs=lay.out_runs)
+        transport.gather(shards, gathered, consume, alternate=True, lockstep=True, runs=lay.gathered_runs)
         outs = [lay.restore(o) for o in out_rows]
     return (lay.a_gathered(rows, placed=True) if return_a else None), outs

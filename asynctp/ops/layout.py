@@ -87,10 +87,15 @@ class GatherLayout:
         output row, count) each (see rank_runs)."""
         return rank_runs(src, lo, lo + count, self.m, self.segment, self.world_size)
 
+    @property
+    def gathered_runs(self):  # -> transport.Runs | None
+        """Where a transport puts the gathered rows so that they need no reordering: out_runs
+        (batch-major), None (rank order: front order and k mode already are the caller's)."""
+        return self.out_runs if self.segment and not self.k_mode else None
+
     def a_gathered(self, rows: torch.Tensor, placed: bool = False) -> torch.Tensor:
         """The gathered a from stacked rows [R * m, k]: the serial reference's layout. placed:
-        row-mode rows written in out_runs' order (the outputs' order, Transport.gather's runs),
-        not rank order: a view, no reordering copy."""
+        the rows were written where gathered_runs puts them (a view, no reordering copy)."""
         if placed and not self.k_mode:
             return self.restore(rows)
         if self.k_mode:

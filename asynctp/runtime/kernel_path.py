@@ -186,8 +186,9 @@ def _wait_flag(ws, flag: torch.Tensor, what: str) -> None:
 def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,
                   keep_gathered: bool, a_scale: torch.Tensor | None = None, scale_rows: torch.Tensor | None = None,
                   b_scales: list | None = None, out_dtype: torch.dtype | None = None, runs: Runs | None = None):
-    """(gathered rows [R * m, K] rank-major (runs: in runs' order, Transport.gather) or None, outputs [R * m, N_i] in the caller's row
-    order (front order: rank-major; batch-major: run l of rank s at (l * R + s) * segment)). fp8:
+    """(gathered rows [R * m, K] rank-major (runs: in runs' order, as Transport.gather) or None,
+    outputs [R * m, N_i] in the caller's row order (front order: rank-major; batch-major: run l of
+    rank s at (l * R + s) * segment)). fp8:
     a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows).
 
     The GEMM reads the own rows (and rowwise scales) where they are. The copy stream pushes the
@@ -220,7 +221,7 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
             place(gathered, runs, rank, 0, shard_2d)
             for step in range(1, world):
                 # a source's blocks and flags come in order from one stream: its last flag
-                # means all its rows are here, copied out at once
+                # means all its rows are here, copied out at once (one copy per run)
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
                 place(gathered, runs, src, 0, all_rows[src * m : (src + 1) * m])

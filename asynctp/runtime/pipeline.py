@@ -70,11 +70,12 @@ def gather_and_consume(
     runs: Runs | None = None,
 ) -> None:
     """All-gather each shard ([m, ...], contiguous, same m) into gathered[i] ([R * m, ...], rank
-    order, or runs' order (Transport.gather); None: the caller does not keep it) and call consume(src_rank, row_lo, blocks) as
-    blocks arrive: first the whole local shard (row_lo 0), then each peer's row blocks. consume
-    must only read its blocks (they may be views of the workspace: never keep or return them);
-    with alternate=True consecutive calls may run on two streams at once (disjoint outputs only).
-    lockstep: the local consume waits for the opening barrier (see _push_gather_and_consume)."""
+    order or runs' order (Transport.gather); None: the caller does not keep it) and call
+    consume(src_rank, row_lo, blocks) as blocks arrive: first the whole local shard (row_lo 0),
+    then each peer's row blocks. consume must only read its blocks (they may be views of the
+    workspace: never keep or return them); with alternate=True consecutive calls may run on two
+    streams at once (disjoint outputs only). lockstep: the local consume waits for the opening
+    barrier (see _push_gather_and_consume)."""
     with sm_carveout(ws.device, "pipeline"), _settled(ws):
         _push_gather_and_consume(ws, shards, gathered, consume, splits, alternate, lockstep, runs)
 

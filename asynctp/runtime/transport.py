@@ -49,7 +49,7 @@ class Transport(Protocol):
         lockstep: the plan's lockstep may apply (False: the consumer shares state across blocks).
         runs: where gathered rows go instead of rank order: runs(src, lo, count) lists rows lo :
         lo + count of rank src's shard as (offset from lo, gathered row, count) runs (the
-        caller's order: GatherLayout.out_runs; no reordering copy afterwards)."""
+        caller's order: GatherLayout.gathered_runs; no reordering copy afterwards)."""
         ...
 
     def reduce_scatter(
