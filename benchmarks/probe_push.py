@@ -58,17 +58,21 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     b = torch.randn(args.gemm[2], args.gemm[1], device="cuda", dtype=torch.bfloat16)
     rows = []
 
-    def push(size: int, nstreams: int, sm: bool):
+    def push(size: int, nstreams: int, sm: bool, beside=None):
+        """The push of `size` bytes, split over `nstreams` copy streams; beside(): work queued on
+        the current stream after the copy streams forked from it (not waited for by them)."""
         main = torch.cuda.current_stream()
         piece = size // nstreams
-        for i in range(nstreams):
-            s = streams[i]
+        for s in streams[:nstreams]:
             s.wait_stream(main)
+        if beside is not None:
+            beside()
+        for i, s in enumerate(streams[:nstreams]):
             with torch.cuda.stream(s):
                 d, x = peer[i * piece : (i + 1) * piece], src[i * piece : (i + 1) * piece]
-                if sm:
-                    torch.add(x.view(torch.int32) if piece % 4 == 0 else x, 0,
-                              out=d.view(torch.int32) if piece % 4 == 0 else d)
+                if sm:  # an elementwise kernel (SMs), in 4-byte words where the piece allows
+                    words = piece % 4 == 0
+                    torch.add(x.view(torch.int32) if words else x, 0, out=d.view(torch.int32) if words else d)
                 else:
                     d.copy_(x)
             main.wait_stream(s)
@@ -80,33 +84,24 @@ def _worker(rank: int, world: int, args, port: int) -> None:
             for mode in ("idle", "gemm", "sm"):
                 if mode == "sm" and ns != 1:
                     continue
-                if mode == "gemm":
-                    gemm_ev = []
-
-                    def fn():
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        main = torch.cuda.current_stream()
-                        piece = size // ns
-                        for i in range(ns):
-                            streams[i].wait_stream(main)
-                        e0.record()
-                        torch.mm(a, b)
-                        e1.record()
-                        for i in range(ns):
-                            with torch.cuda.stream(streams[i]):
-                                peer[i * piece : (i + 1) * piece].copy_(src[i * piece : (i + 1) * piece])
-                            main.wait_stream(streams[i])
-                        gemm_ev.append((e0, e1))
-
-                    both = _slowest(_time(fn, args.iters))
-                    torch.cuda.synchronize()
-                    g = _slowest(statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in gemm_ev))
-                    rows.append(dict(mib=mib, streams=ns, mode=mode, us=round(both, 1), gemm_us=round(g, 1),
-                                     gemm_alone_us=round(gemm_alone, 1)))
-                else:
+                if mode != "gemm":
                     us = _slowest(_time(lambda: push(size, ns, mode == "sm"), args.iters))
-                    rows.append(dict(mib=mib, streams=ns, mode=mode, us=round(us, 1),
-                                     gbps=round(size / us / 1e3, 1)))
+                    rows.append(dict(mib=mib, streams=ns, mode=mode, us=round(us, 1), gbps=round(size / us / 1e3, 1)))
+                    continue
+                gemm_ev = []
+
+                def gemm():
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    torch.mm(a, b)
+                    e1.record()
+                    gemm_ev.append((e0, e1))
+
+                both = _slowest(_time(lambda: push(size, ns, False, beside=gemm), args.iters))
+                torch.cuda.synchronize()
+                g = _slowest(statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in gemm_ev))
+                rows.append(dict(mib=mib, streams=ns, mode=mode, us=round(both, 1), gemm_us=round(g, 1),
+                                 gemm_alone_us=round(gemm_alone, 1)))
             if rank == 0:
                 print(rows[-3:] if ns == 1 else rows[-2:], flush=True)
     if rank == 0:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asynctp.runtime.transport import Runs
+
 __all__ = ["GatherLayout", "ScatterLayout", "gather_layout", "scatter_layout", "matmul_rows", "moved_back",
            "batch_major_ok", "batch_major_mode", "rank_runs", "BATCH_MAJOR",
            "BATCH_MAJOR_MIN_ROWS"]
@@ -88,7 +90,7 @@ class GatherLayout:
         return rank_runs(src, lo, lo + count, self.m, self.segment, self.world_size)
 
     @property
-    def gathered_runs(self):  # -> transport.Runs | None
+    def gathered_runs(self) -> Runs | None:
         """Where a transport puts the gathered rows so that they need no reordering: out_runs
         (batch-major), None (rank order: front order and k mode already are the caller's)."""
         return self.out_runs if self.segment and not self.k_mode else None
