@@ -15,13 +15,29 @@ from asynctp.kernels.triton_util import FastLaunch
 
 
 @triton.jit
+def _own_epilogue(acc, recv_desc, out_desc, bias_ptr, rank, row_c, col, N, WORLD: tl.constexpr, AVG: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr):
+    """An own tile's columns [col, col + BW): the peers' partials added in step order (fp32), then
+    avg and bias, one rounding, stored."""
+    for step in tl.static_range(1, WORLD):
+        src = (rank - step + WORLD) % WORLD
+        acc = acc + recv_desc.load([src, row_c, col]).reshape(BM, BW).to(tl.float32)
+    if AVG:
+        acc = acc / WORLD
+    if HAS_BIAS:
+        c = col + tl.arange(0, BW)
+        acc = acc + tl.load(bias_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+    out_desc.store([row_c, col], acc.to(out_desc.dtype))
+
+
+@triton.jit
 def _rs_mm_kernel(
-    a_desc, b_desc, recv_desc, part_ptr, out_ptr, items_ptr,
+    a_desc, b_desc, recv_desc, out_desc, part_ptr, items_ptr,
     sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
-    N, K, m, br, rank, world, blocks, a_dst, a_blk, sig_src, sig_blk, num_items,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    AVG: tl.constexpr, FLATTEN: tl.constexpr,
+    N, K, m, br, rank, blocks, a_dst, a_blk, sig_src, sig_blk, num_items,
+    WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AVG: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -29,7 +45,7 @@ def _rs_mm_kernel(
     tm = br // BM
     tiles_per_item = tm * num_pid_n
     num_tiles = num_items * tiles_per_item
-    for t in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+    for t in range(pid, num_tiles, NUM_SMS):
         item, pm, pn = _tile(t, tiles_per_item, tm, num_pid_n, GROUP_M)
         kind = tl.load(items_ptr + 3 * item)
         dst = tl.load(items_ptr + 3 * item + 1)
@@ -38,40 +54,35 @@ def _rs_mm_kernel(
         row_c = j * br + pm * BM  # within the chunk
         off_n = pn * BN
         acc = _mainloop(a_desc, b_desc, row_a, off_n, 0, k_tiles, BM, BN, BK, B_TRANS)
-        rows = tl.arange(0, BM)
         cols = off_n + tl.arange(0, BN)
         if A_SCALE == 1:
             acc = acc * tl.load(a_scale_ptr)
         if A_SCALE == 2:
-            acc = acc * tl.load(a_scale_ptr + row_a + rows)[:, None]
+            acc = acc * tl.load(a_scale_ptr + row_a + tl.arange(0, BM))[:, None]
         if B_SCALE == 1:
             acc = acc * tl.load(b_scale_ptr)
         if B_SCALE == 2:
             acc = acc * tl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        offs = (row_c + rows)[:, None] * N + cols[None, :]
-        mask = (cols < N)[None, :]
         if kind == 0:
-            slot = (dst - rank + world) % world - 1
-            tl.store(part_ptr + slot * m * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            slot = (dst - rank + WORLD) % WORLD - 1
+            offs = (row_c + tl.arange(0, BM))[:, None] * N + cols[None, :]
+            tl.store(part_ptr + slot * m * N + offs, acc.to(part_ptr.dtype.element_ty), mask=(cols < N)[None, :])
             tl.debug_barrier()  # every thread's stores are done before the release below
             tl.atomic_add(cnt_ptr + dst * blocks + j, 1, sem="release", scope="sys")
         else:
-            for step in range(1, world):
-                src = (rank - step + world) % world
-                _spin(sig_ptr + src * sig_src + j * sig_blk)
-                part = recv_desc.load([src, row_c, off_n]).reshape(BM, BN)
-                acc = acc + part.to(tl.float32)
-            if AVG:
-                acc = acc / world
-            if HAS_BIAS:
-                acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-            own = cnt_ptr + world * blocks + j
-            old = tl.atomic_add(own, 1, sem="acq_rel", scope="gpu")
-            if old == tiles_per_item - 1:
+            for step in tl.static_range(1, WORLD):
+                _spin(sig_ptr + ((rank - step + WORLD) % WORLD) * sig_src + j * sig_blk)
+            # the epilogue in two column halves, stored by TMA: a whole 128x256 tile with its
+            # partials and per-element pointers took 255 registers and 448 bytes of stack a thread
+            h0, h1 = acc.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+            _own_epilogue(h0, recv_desc, out_desc, bias_ptr, rank, row_c, off_n, N, WORLD, AVG, HAS_BIAS, BM, BN // 2)
+            _own_epilogue(h1, recv_desc, out_desc, bias_ptr, rank, row_c, off_n + BN // 2, N, WORLD, AVG, HAS_BIAS,
+                          BM, BN // 2)
+            own = cnt_ptr + WORLD * blocks + j
+            if tl.atomic_add(own, 1, sem="acq_rel", scope="gpu") == tiles_per_item - 1:
                 tl.atomic_xchg(own, 0, sem="relaxed", scope="gpu")
-                for step in range(1, world):
-                    src = (rank - step + world) % world
+                for step in tl.static_range(1, WORLD):
+                    src = (rank - step + WORLD) % WORLD
                     tl.atomic_xchg(sig_ptr + src * sig_src + j * sig_blk, 0, sem="release", scope="sys")
 
 
@@ -94,19 +105,21 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
     b_desc = TensorDescriptor(b.t() if b_trans else b, [n, k] if b_trans else [k, n], [b.stride(1), 1] if b_trans else
                               [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
-    recv_desc = TensorDescriptor(received, [world, m, n], [m * n, n, 1], [1, bm, bn])
+    bw = bn // 2  # the own tiles' epilogue works in two column halves
+    recv_desc = TensorDescriptor(received, [world, m, n], [m * n, n, 1], [1, bm, bw])
+    out_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bw])
     num_items = items.numel() // 3
     tiles = (br // bm) * triton.cdiv(n, bn)
     grid = (max(1, min(num_sms, num_items * tiles)),)
     dummy = out
     _rs_launch(grid, (
-        a_desc, b_desc, recv_desc, partials, out, items, signals, counters,
+        a_desc, b_desc, recv_desc, out_desc, partials, items, signals, counters,
         a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
         bias if bias is not None else dummy,
-        n, k, m, br, rank, world, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
-        bm, bn, bk, cfg.group_m, grid[0], b_trans,  # BM, BN, BK, GROUP_M, NUM_SMS, B_TRANS
+        n, k, m, br, rank, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
+        world, bm, bn, bk, cfg.group_m, grid[0], b_trans,  # WORLD, BM, BN, BK, GROUP_M, NUM_SMS, B_TRANS
         _scale_mode(a_scale), _scale_mode(b_scale), bias is not None,  # A_SCALE, B_SCALE, HAS_BIAS
-        reduce_op == "avg", False,  # AVG, FLATTEN (the reduction loops defeat Triton's loop fusion)
+        reduce_op == "avg",  # AVG
     ), num_warps=cfg.warps, num_stages=cfg.stages)
     return tiles
 
