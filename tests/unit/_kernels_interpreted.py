@@ -66,4 +66,11 @@ for rank in range(3):
                     config=cfg)
     ref_parts, ref_out = producer_mm_reference(a3, b3, rank, 3, 2, list(received))
     assert all(torch.equal(parts[i], ref_parts[i]) for i in range(2)) and torch.equal(out3, ref_out)
+    # avg and a bias in the own tiles' epilogue (two column halves; N 40 ends inside a tile's second half)
+    bias = torch.randint(-3, 4, (40,)).float()
+    cnt.zero_()
+    launch_producer(a3, b3, parts, received, out3, rank, 3, 2, (32, 16), torch.ones(6, dtype=torch.int32), (1, 3), cnt,
+                    reduce_op="avg", bias=bias, config=cfg)
+    _, ref_avg = producer_mm_reference(a3, b3, rank, 3, 2, list(received), reduce_op="avg")
+    assert torch.equal(out3, ref_avg + bias)
 print("ok")
