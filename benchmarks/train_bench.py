@@ -45,6 +45,8 @@ def _demo_args(flags: list[str], args: argparse.Namespace, batch: int, out: Path
         argv.append("--cpu")
     if args.profile:
         argv.append("--profile")
+    if args.interleave:
+        argv.append("--interleave")
     if args.cpu or torch.cuda.device_count() < 2:  # torch's async TP needs GPUs
         argv = [a for a in argv if a != "--torch-async-tp"]
     return parser.parse_args(argv)
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="profile 5 extra steps per run (GPU): exposed communication, top kernels, collectives")
+    parser.add_argument("--interleave", action="store_true",
+                        help="each configuration's variants step by step in turn (demo --interleave): drift over a "
+                             "run touches them alike; no per-variant peak memory")
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/train_bench"))
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from asynctp.demo.compiled import compile_settings, enable_torch_async_tp
 from asynctp.demo.data import MarkovTokens
 from asynctp.demo.model import ModelConfig, Transformer
 from asynctp.demo.nocomm import fake_mesh, local_collectives
@@ -163,22 +164,27 @@ def train_interleaved(
     i + 1): a machine's drift over the minutes of a demo then touches every run alike, where
     runs one after the other can differ by more than what is being compared. The models are
     built alike (same seed) and never share state, so each loss curve is the one train() gives.
-    Eager runs only (a compiled run changes process-wide compiler settings); peak memory is
-    not attributed (every model is alive at once). on_step(run index, step, loss, seconds)."""
-    if settings.compile or any(v.torch_async_tp or v.asynctp_pass for v in variants):
-        raise ValueError("train_interleaved requires eager runs (no --compile, --torch-async-tp or --asynctp-pass), "
-                         f"got compile={settings.compile} and variants {[v.name for v in variants]}")
+    Compiled runs compile at their first steps, each under its own compiler settings
+    (demo/compiled.py); peak memory is not attributed (every model is alive at once).
+    on_step(run index, step, loss, seconds)."""
+    from asynctp.compile import fusion_report
     from asynctp.runtime import graphs
 
     graphs.clear()
-    runs = [_Run(v, settings, mesh, device) for v in variants]
-    with _collector_between_steps():
+    fusion_report(clear=True)
+    runs = [_Run(v, settings, mesh, device, in_turn=True) for v in variants]
+    # every compiled run's graphs stay in dynamo's caches of the same code objects
+    limit = torch._dynamo.config.patch(recompile_limit=max(8, 4 * len(runs)))
+    with _collector_between_steps(), limit:
         for first, count in windows(settings):
             for i, run in enumerate(runs):
                 for step, (loss, seconds) in enumerate(run.steps(count), start=first):
                     if on_step is not None:
                         on_step(i, step, loss, seconds)
     results = [run.finish() for run in runs]
+    for run, result in zip(runs, results):
+        if run.variant.asynctp_pass:  # the only run compiled with the pass
+            result.fusion = str(fusion_report()).splitlines()[0]
     return results
 
 
@@ -198,10 +204,13 @@ def _collector_between_steps():
 class _Run:
     """One variant's model, optimizer, data and record, advanced a step at a time."""
 
-    def __init__(self, variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(self, variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device,
+                 in_turn: bool = False) -> None:
         cfg = settings.cfg
-        self.settings, self.device = settings, device
-        self.model = _build(variant, settings, mesh, device)
+        self.variant, self.settings, self.device = variant, settings, device
+        self.model = _build(variant, settings, mesh, device, own_type=in_turn)
+        # runs in turn: a compiled run's compiler settings while its steps run (and compile)
+        self._compiling = (lambda: compile_settings(variant)) if in_turn else contextlib.nullcontext
         # the no-communication run's collectives stay local while it trains (demo/nocomm.py)
         self._local = (lambda: local_collectives(fake_mesh(mesh))) if variant.no_comm else contextlib.nullcontext
         # fused on CUDA (one kernel per parameter group, as torchtitan runs it): the foreach
@@ -212,14 +221,19 @@ class _Run:
         self.data = MarkovTokens(cfg.vocab_size, seed=settings.seed)
         self.result = RunResult(variant.name, no_comm=variant.no_comm)
         self.result.graph_calls = {"eager": 0, "captured": 0, "replayed": 0}
-        self._op_calls = dispatch.calls()
+        self.result.op_calls = {}
 
     def steps(self, count: int) -> list[tuple[float, float]]:
         """`count` steps queued back to back, the host waiting for the GPU only after the last;
         each step's (loss, seconds), seconds being the stretch's time over `count` (one step:
         its own time, from an idle GPU). Its pipelined calls are counted for this run."""
-        with self._local():
-            return self._steps(count)
+        calls = dispatch.calls()
+        with self._local(), self._compiling():
+            out = self._steps(count)
+        for k, v in dispatch.calls().items():  # this run's own (runs in turn call between)
+            if v > calls.get(k, 0):
+                self.result.op_calls[k] = self.result.op_calls.get(k, 0) + v - calls.get(k, 0)
+        return out
 
     def _steps(self, count: int) -> list[tuple[float, float]]:
         from asynctp.runtime import graphs
@@ -250,8 +264,6 @@ class _Run:
 
     def finish(self) -> RunResult:
         """Profile (when asked), free the model, and return the record."""
-        now = dispatch.calls()
-        self.result.op_calls = {k: v - self._op_calls.get(k, 0) for k, v in now.items() if v > self._op_calls.get(k, 0)}
         with self._local():
             self._profile()
         del self.model, self.opt
@@ -275,7 +287,8 @@ class _Run:
             self.result.host_profile = host_profile(lambda tokens: _queue_step(model, opt, tokens), batches, device)
 
 
-def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: torch.device,
+           own_type: bool = False) -> torch.nn.Module:
     torch.manual_seed(settings.seed)
     with device:
         model = Transformer(settings.cfg)
@@ -291,11 +304,16 @@ def _build(variant: Variant, settings: TrainSettings, mesh: DeviceMesh, device: 
     parallelize(model, mesh, variant.asynchronous, float8, save_gathered_input=save and variant.asynchronous,
                 share_gathers=settings.share_gathers, strategy=variant.strategy, src_data_rank=None if variant.no_comm else 0)
     if variant.torch_async_tp:
-        _enable_torch_async_tp(mesh)
+        enable_torch_async_tp(mesh)
     if settings.compile or variant.torch_async_tp or variant.asynctp_pass:
         # dynamo's cache is per code object, and every run's model has the same forward: without
-        # a reset a later run reuses the first run's compiled graphs and its passes never run
-        torch._dynamo.reset()
+        # a reset a later run reuses the first run's compiled graphs and its passes never run.
+        # Runs in turn keep every run's graphs: each model gets a class of its own (dynamo's
+        # guards check the module's type)
+        if own_type:
+            model.__class__ = type(type(model).__name__, (type(model),), {})
+        else:
+            torch._dynamo.reset()
         model = torch.compile(model)
     return model
 
@@ -307,18 +325,6 @@ def _nudge_one_weight(model: torch.nn.Module) -> None:
     w = next(p for p in model.parameters() if p.dim() == 2)
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
     w.view(-1)[:1].view(bits).add_(1)
-
-
-def _enable_torch_async_tp(mesh: DeviceMesh) -> None:
-    """Inductor's micro-pipeline TP pass (torch's own async TP) for graphs over this mesh."""
-    import torch._inductor.config as inductor_config
-    import torch.distributed._symmetric_memory as symm_mem
-
-    inductor_config._micro_pipeline_tp = True
-    # the pass needs symmetric memory enabled for the group on releases that have this call
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:
-        enable(mesh.get_group().group_name)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:

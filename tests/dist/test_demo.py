@@ -53,20 +53,28 @@ def test_demo_extra_runs_serial_baseline_control_and_asynctp_pass(tmp_path, caps
 
 
 def test_demo_compiled_runs_each_compile_their_own_graphs(tmp_path):
-    """With --compile every run is compiled; the pass run must compile (and fuse) its own graphs,
-    not reuse those dynamo cached for the vanilla run (same forward code)."""
-    assert main(["demo", "--cpu", "--steps", "2", "--compile", "--asynctp-pass", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("demo_2xcpu*.json")
-    passed = json.loads(path.read_text())["runs"][-1]
-    assert passed["name"] == "vanilla TP + asynctp pass (compiled)"
-    assert " 0 fused" not in passed["fusion_report"] and " 0 graph(s)" not in passed["fusion_report"], passed
+    """With --compile every run is compiled; each run must compile its own graphs (the pass run
+    fusing, asynctp's styles calling asynctp), not reuse those dynamo cached for another run
+    (same forward code), one after the other and in turn (--interleave): the same loss curves."""
+    curves = {}
+    for mode, extra in (("sequential", []), ("interleaved", ["--interleave"])):
+        out = tmp_path / mode
+        assert main(["demo", "--cpu", "--steps", "2", "--compile", "--asynctp-pass", *extra, "--out", str(out)]) == 0
+        (path,) = out.glob("demo_2xcpu*.json")
+        runs = json.loads(path.read_text())["runs"]
+        assert [r["name"] for r in runs] == ["vanilla TP", "asynctp", "vanilla TP + asynctp pass (compiled)"]
+        report = runs[-1]["fusion_report"]
+        assert " 0 fused" not in report and " 0 graph(s)" not in report, (mode, report)
+        assert not runs[0]["op_calls"] and runs[1]["op_calls"] and runs[2]["op_calls"], mode
+        curves[mode] = {r["name"]: r["losses"] for r in runs}
+    assert curves["interleaved"] == curves["sequential"]
 
 
 def test_demo_interleaved_and_unsynced_runs_give_the_sequential_curves(tmp_path, capsys):
     """--interleave (step i of every run, then step i + 1) and --sync-every (timed steps queued
     back to back, the host waiting after the last) train the same models: each loss curve is bit
     for bit the one of the runs one after the other, step by step; a stretch's steps share its
-    time; compiled runs are refused by --interleave, a non-positive --sync-every by the CLI."""
+    time; a non-positive --sync-every is refused by the CLI."""
     curves = {}
     modes = {"sequential": [], "interleaved": ["--interleave"], "sequential, sync every 2": ["--sync-every", "2"],
              "interleaved, sync every 3": ["--interleave", "--sync-every", "3"]}
@@ -90,8 +98,6 @@ def test_demo_interleaved_and_unsynced_runs_give_the_sequential_curves(tmp_path,
     for mode in modes:
         assert curves[mode] == curves["sequential"], mode
     capsys.readouterr()
-    assert main(["demo", "--cpu", "--interleave", "--compile"]) == 2
-    assert "--interleave requires eager runs" in capsys.readouterr().err
     assert main(["demo", "--cpu", "--sync-every", "0"]) == 2
     assert "--sync-every requires a positive number, got 0" in capsys.readouterr().err
 
@@ -147,15 +153,18 @@ def test_demo_no_comm_baseline_skips_the_collectives(tmp_path, capsys):
 
 
 def test_train_bench_runs_at_toy_size(tmp_path):
-    """benchmarks/train_bench.py end to end on CPU (eager configuration only: compiling takes minutes)."""
+    """benchmarks/train_bench.py end to end on CPU (eager configuration only: compiling takes minutes),
+    its variants in turn (--interleave, passed to the demo)."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "benchmarks/train_bench.py", "--cpu", "--steps", "2", "--sync-every", "1",
-           "--batch-sizes", "2", "--configs", "eager", "--out", str(tmp_path)]
+           "--batch-sizes", "2", "--configs", "eager", "--interleave", "--out", str(tmp_path)]
     from tests.multiprocess import script_env
 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=script_env())
     assert done.returncode == 0, done.stderr[-3000:]
     table = done.stdout[done.stdout.rindex("config"):]
     assert "vanilla TP, no communication" in table and "asynctp" in table, table
+    (record,) = tmp_path.rglob("demo_*.json")
+    assert json.loads(record.read_text())["settings"]["interleave"]
