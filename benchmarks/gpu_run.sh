@@ -6,10 +6,14 @@
 # results behind the step's limit.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-W=/tmp/asynctp-run; R=$W/results; mkdir -p $R
+W=/tmp/asynctp-run; R=$W/results
+# a machine may come with an earlier run's files there: only this run's logs and results go back;
+# the tuning cache stays for the calls of one warm machine on the same code (named by its hash)
+TUNING=tuning-$(find asynctp -name '*.py' -print0 | sort -z | xargs -0 cat | md5sum | cut -c1-12).json
+mkdir -p $W && find $W -mindepth 1 -maxdepth 1 ! -name $TUNING -exec rm -rf {} +; mkdir -p $R
 # results are named by the cards that produced them (2xH100, 2xH200, ...) unless HW says otherwise
 HW=${HW:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[A-Z][0-9]+/) {g = $i}} END {print NR "x" g}')}
-export ASYNCTP_TUNING_CACHE=$W/tuning.json ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
+export ASYNCTP_TUNING_CACHE=$W/$TUNING ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
 PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
 # the archive is rewritten as each step ends: a run cut off by its limit still returns what
 # finished (one file: the device returns a limited number of files)
