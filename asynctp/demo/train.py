@@ -167,11 +167,14 @@ def train_interleaved(
     Compiled runs compile at their first steps, each under its own compiler settings
     (demo/compiled.py); peak memory is not attributed (every model is alive at once).
     on_step(run index, step, loss, seconds)."""
-    from asynctp.compile import fusion_report
     from asynctp.runtime import graphs
 
     graphs.clear()
-    fusion_report(clear=True)
+    passes = any(v.asynctp_pass for v in variants)
+    if passes:
+        from asynctp.compile import fusion_report
+
+        fusion_report(clear=True)
     runs = [_Run(v, settings, mesh, device, in_turn=True) for v in variants]
     # every compiled run's graphs stay in dynamo's caches of the same code objects
     limit = torch._dynamo.config.patch(recompile_limit=max(8, 4 * len(runs)))
@@ -183,7 +186,7 @@ def train_interleaved(
                         on_step(i, step, loss, seconds)
     results = [run.finish() for run in runs]
     for run, result in zip(runs, results):
-        if run.variant.asynctp_pass:  # the only run compiled with the pass
+        if passes and run.variant.asynctp_pass:  # the only run compiled with the pass
             result.fusion = str(fusion_report()).splitlines()[0]
     return results
 
