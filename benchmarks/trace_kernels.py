@@ -8,6 +8,16 @@ The first table: each kernel name's GPU time (ms a step) in each trace, sorted b
 difference between the first trace and the others. The second: for kernels whose name holds
 a --who word, the chain of host ops (innermost last, with the innermost op's input shapes) that
 launched them, ms a step, per trace.
+
+    python benchmarks/trace_kernels.py --skew RANK0.json.gz RANK1.json.gz --steps 5 \
+        [--match _rs_mm_kernel _ag_mm_kernel nccl]
+
+--skew: two ranks' traces of one run. Kernels of one name run in the same order on both ranks,
+so the n-th call on one is paired with the n-th on the other; both traces' times are on the
+host's clock (each trace's baseTimeNanoseconds). A call that starts d before its peer's spends
+up to d (at most its duration) waiting for the peer, which the profile counts as kernel time:
+"skew" below, per rank, and the rest ("own"). Waits on data in flight with both ranks on time
+stay in "own".
 """
 
 from __future__ import annotations
@@ -18,13 +28,46 @@ import collections
 import gzip
 import json
 import os
+import re
 
 
-def _load(path: str) -> list[dict]:
+def _load(path: str, absolute: bool = False) -> list[dict]:
+    """The trace's events; absolute: their "ts" moved onto the host's clock (us), where the trace
+    counts from its baseTimeNanoseconds."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    base = data.get("baseTimeNanoseconds", 0) / 1000.0 if absolute and isinstance(data, dict) else 0.0
+    if base:
+        events = [{**e, "ts": e["ts"] + base} if "ts" in e else e for e in events]
+    return events
+
+
+def skew(path0: str, path1: str, match: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per kernel name holding a `match` word: {"calls": [n0, n1], "us": [each rank's summed
+    duration], "skew": [each rank's summed wait for the other's later start]} (us)."""
+    def calls(path: str) -> dict[str, list[dict]]:
+        by_name: dict[str, list[dict]] = collections.defaultdict(list)
+        for e in _load(path, absolute=True):
+            if e.get("cat") == "kernel" and e.get("ph") == "X" and any(w in e["name"] for w in match):
+                by_name[e["name"]].append(e)
+        for ks in by_name.values():
+            ks.sort(key=lambda e: e["ts"])
+        return by_name
+
+    c0, c1 = calls(path0), calls(path1)
+    out = {}
+    for name in sorted(set(c0) | set(c1)):
+        a, b = c0.get(name, []), c1.get(name, [])
+        waits = [0.0, 0.0]
+        for x, y in zip(a, b):  # the same program on both ranks: the n-th call with the n-th
+            d = y["ts"] - x["ts"]
+            waits[0] += min(max(d, 0.0), x.get("dur", 0.0))
+            waits[1] += min(max(-d, 0.0), y.get("dur", 0.0))
+        out[name] = {"calls": [len(a), len(b)], "us": [sum(e.get("dur", 0.0) for e in ks) for ks in (a, b)],
+                     "skew": waits}
+    return out
 
 
 def _short(name: str, n: int = 90) -> str:
@@ -74,10 +117,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps in each trace")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--who", nargs="*", default=["copy", "elementwise", "Memcpy", "cat"])
+    p.add_argument("--skew", action="store_true", help="two ranks' traces of one run: waits for the later rank")
+    p.add_argument("--match", nargs="*", default=["_rs_mm_kernel", "_ag_mm_kernel", "nccl"])
     args = p.parse_args()
-    names = [os.path.basename(t).removeprefix("trace_").removesuffix("_rank0.json.gz") for t in args.traces]
-    sums = [summarize(t, args.who) for t in args.traces]
     ms = lambda us: us / args.steps / 1000.0  # noqa: E731
+    if args.skew:
+        if len(args.traces) != 2:
+            p.error(f"--skew requires two traces (rank 0's and rank 1's), got {len(args.traces)}")
+        print("ms a step, rank 0 | rank 1: kernel time, of it skew (waiting for the later rank), own")
+        for name, r in skew(*args.traces, args.match).items():
+            cells = [f"{ms(r['us'][i]):7.2f} {ms(r['skew'][i]):6.2f} {ms(r['us'][i] - r['skew'][i]):7.2f}" for i in (0, 1)]
+            unpaired = "" if r["calls"][0] == r["calls"][1] else f"  (calls {r['calls'][0]} vs {r['calls'][1]}: paired in order)"
+            print(f"{cells[0]} | {cells[1]}  {_short(name, 80)}{unpaired}")
+        return
+    names = [re.sub(r"_rank\d+\.json(\.gz)?$", "", os.path.basename(t).removeprefix("trace_")) for t in args.traces]
+    sums = [summarize(t, args.who) for t in args.traces]
     all_names = set().union(*(s[0] for s in sums))
     rows = sorted(all_names, key=lambda n: -max(abs(ms(s[0].get(n, 0)) - ms(sums[0][0].get(n, 0))) for s in sums)
                   - 1e-6 * ms(sums[0][0].get(n, 0)))

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
     parser.add_argument("--trace", action="store_true",
-                        help="with --profile: rank 0 writes each run's profiler trace (Chrome trace, gzipped) to --out")
+                        help="with --profile: every rank writes each run's profiler trace (Chrome trace, gzipped) to --out")
     parser.add_argument("--host-profile", action="store_true",
                         help="queue 3 extra steps of each run under cProfile: where the host time goes (in the JSON)")
     parser.add_argument("--regather-input", action="store_true",

@@ -58,12 +58,13 @@ def profile_steps(step: Callable[[], Any], num_steps: int, trace_path: str | Non
 
 
 def trace_path(trace_dir: str | None, run_name: str) -> str | None:
-    """Where rank 0 writes a run's profiler trace under trace_dir (made if missing); None on other
-    ranks and without a trace_dir."""
-    if trace_dir is None or (dist.is_initialized() and dist.get_rank() != 0):
+    """Where this rank writes a run's profiler trace under trace_dir (made if missing; one file per
+    rank: benchmarks/trace_kernels.py --skew reads two ranks' side by side); None without one."""
+    if trace_dir is None:
         return None
     os.makedirs(trace_dir, exist_ok=True)
-    return os.path.join(trace_dir, f"trace_{re.sub(r'[^A-Za-z0-9]+', '_', run_name).strip('_')}_rank0.json.gz")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return os.path.join(trace_dir, f"trace_{re.sub(r'[^A-Za-z0-9]+', '_', run_name).strip('_')}_rank{rank}.json.gz")
 
 
 def _collectives(prof: Any, num_steps: int) -> dict[str, float]:

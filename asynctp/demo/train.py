@@ -68,7 +68,7 @@ class TrainSettings:
     compile: bool = False
     warmup: int = 3  # steps left out of the timings (allocation, autotuning, compilation)
     profile_steps: int = 0  # extra steps run under torch.profiler (0: no profile)
-    trace_dir: str | None = None  # where rank 0 writes each run's profiler trace (profile_steps > 0)
+    trace_dir: str | None = None  # where each rank writes each run's profiler trace (profile_steps > 0)
     host_profile_steps: int = 0  # extra steps queued under cProfile (0: none): where the host time goes
     # async column-parallel layers keep the gathered input for wgrad (vanilla TP's memory use);
     # False re-gathers it in backward (less memory, one more overlapped gather); fp8 re-gathers

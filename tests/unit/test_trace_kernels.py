@@ -50,3 +50,28 @@ def test_kernels_per_step_and_launchers(tmp_path, capsys, monkeypatch):
     assert lines[2].split() == ["1.500", "|", "0.000", "direct_copy_kernel"]
     assert lines[3].split() == ["4.000", "|", "3.000", "gemm"]
     assert "1.500  direct_copy_kernel  <-  aten::reshape > aten::copy_ > [[2, 3], [2, 3]]" in out
+
+
+def _ranked(path: Path, base_ns: int, kernels: list[tuple[str, float, float]]) -> None:
+    events = [{"ph": "X", "cat": "kernel", "name": n, "pid": 0, "tid": 7, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events, "baseTimeNanoseconds": base_ns}, f)
+
+
+def test_skew_pairs_the_ranks_calls_on_the_host_clock(tmp_path, capsys, monkeypatch):
+    """--skew: the n-th call of a name on rank 0 with the n-th on rank 1, on the host's clock
+    (each trace's base time): a call that starts before its peer's waits until the peer starts
+    (at most its own duration); names without a --match word are left out."""
+    r0, r1 = tmp_path / "trace_asynctp_rank0.json.gz", tmp_path / "trace_asynctp_rank1.json.gz"
+    # rank 1's trace counts from 1000 us later: its ts 0 is rank 0's 1000
+    _ranked(r0, 5_000_000, [("_rs_mm_kernel", 1000, 500), ("_rs_mm_kernel", 3000, 400), ("gemm", 0, 9)])
+    _ranked(r1, 6_000_000, [("_rs_mm_kernel", 300, 200), ("_rs_mm_kernel", 1900, 450), ("gemm", 0, 9)])
+    mod = _module()
+    got = mod.skew(str(r0), str(r1), ["_rs_mm"])
+    # call 1: rank 0 at 1000, rank 1 at 1300: rank 0 waits 300; call 2: rank 1 at 2900, 100 before rank 0
+    assert got == {"_rs_mm_kernel": {"calls": [2, 2], "us": [900, 650], "skew": [300, 100]}}
+    monkeypatch.setattr("sys.argv", ["trace_kernels.py", "--skew", str(r0), str(r1), "--steps", "1",
+                                     "--match", "_rs_mm"])
+    mod.main()
+    assert capsys.readouterr().out.splitlines()[1].split() == ["0.90", "0.30", "0.60", "|", "0.65", "0.10", "0.55",
+                                                                "_rs_mm_kernel"]
