@@ -126,8 +126,9 @@ def main() -> None:
             p.error(f"--skew requires two traces (rank 0's and rank 1's), got {len(args.traces)}")
         print("ms a step, rank 0 | rank 1: kernel time, of it skew (waiting for the later rank), own")
         for name, r in skew(*args.traces, args.match).items():
-            cells = [f"{ms(r['us'][i]):7.2f} {ms(r['skew'][i]):6.2f} {ms(r['us'][i] - r['skew'][i]):7.2f}" for i in (0, 1)]
-            unpaired = "" if r["calls"][0] == r["calls"][1] else f"  (calls {r['calls'][0]} vs {r['calls'][1]}: paired in order)"
+            us, wait, (n0, n1) = r["us"], r["skew"], r["calls"]
+            cells = [f"{ms(us[i]):7.2f} {ms(wait[i]):6.2f} {ms(us[i] - wait[i]):7.2f}" for i in (0, 1)]
+            unpaired = "" if n0 == n1 else f"  (calls {n0} vs {n1}: paired in order)"
             print(f"{cells[0]} | {cells[1]}  {_short(name, 80)}{unpaired}")
         return
     names = [re.sub(r"_rank\d+\.json(\.gz)?$", "", os.path.basename(t).removeprefix("trace_")) for t in args.traces]

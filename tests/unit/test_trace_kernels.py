@@ -53,7 +53,8 @@ def test_kernels_per_step_and_launchers(tmp_path, capsys, monkeypatch):
 
 
 def _ranked(path: Path, base_ns: int, kernels: list[tuple[str, float, float]]) -> None:
-    events = [{"ph": "X", "cat": "kernel", "name": n, "pid": 0, "tid": 7, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+    events = [{"ph": "X", "cat": "kernel", "name": n, "pid": 0, "tid": 7, "ts": ts, "dur": dur}
+              for n, ts, dur in kernels]
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events, "baseTimeNanoseconds": base_ns}, f)
 
