@@ -15,10 +15,15 @@ set -u
 PATCH=${PATCH:?usage: PATCH=change.patch STEPS="..." bash benchmarks/ab_run.sh}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor_cache
 A=$PWD W=/tmp/asynctp-ab/logs
-mkdir -p $W
+# a machine may come with an earlier run's logs and trees there: logs start empty, and a side's
+# tree is named by the hash of the sources (package, benchmarks, tests) and its patch (reused by
+# the calls of one warm machine on the same change, never taken from another change)
+rm -rf $W; mkdir -p $W
+SRC=$(find asynctp benchmarks tests \( -name '*.py' -o -name '*.sh' \) -print0 | sort -z | xargs -0 cat | md5sum | cut -c1-12)
 SIDES=A; side=A
 for p in $PATCH; do
-  side=$(echo $side | tr A-Y B-Z); SIDES="$SIDES $side"; printf -v $side %s /tmp/asynctp-ab/tree_$side
+  key=$( (echo $SRC; cat "$A/$p") | md5sum | cut -c1-12)
+  side=$(echo $side | tr A-Y B-Z); SIDES="$SIDES $side"; printf -v $side %s /tmp/asynctp-ab/tree_${side}_$key
   d=${!side}
   if [ ! -d $d ]; then
     mkdir -p $d && cp -r "$A/." $d && (cd $d && git apply "$A/$p") || { echo "$p does not apply"; rm -rf $d; exit 1; }
