@@ -31,29 +31,29 @@ import os
 import re
 
 
-def _load(path: str, absolute: bool = False) -> list[dict]:
-    """The trace's events; absolute: their "ts" moved onto the host's clock (us), where the trace
-    counts from its baseTimeNanoseconds."""
+def _load(path: str) -> tuple[list[dict], float]:
+    """(the trace's events, where its "ts" count from on the host's clock, us: its
+    baseTimeNanoseconds, 0 where the times are absolute)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    base = data.get("baseTimeNanoseconds", 0) / 1000.0 if absolute and isinstance(data, dict) else 0.0
-    if base:
-        events = [{**e, "ts": e["ts"] + base} if "ts" in e else e for e in events]
-    return events
+    if isinstance(data, list):
+        return data, 0.0
+    return data["traceEvents"], data.get("baseTimeNanoseconds", 0) / 1000.0
 
 
 def skew(path0: str, path1: str, match: list[str]) -> dict[str, dict[str, list[float]]]:
     """Per kernel name holding a `match` word: {"calls": [n0, n1], "us": [each rank's summed
     duration], "skew": [each rank's summed wait for the other's later start]} (us)."""
-    def calls(path: str) -> dict[str, list[dict]]:
-        by_name: dict[str, list[dict]] = collections.defaultdict(list)
-        for e in _load(path, absolute=True):
+    def calls(path: str) -> dict[str, list[tuple[float, float]]]:
+        """(start on the host's clock, duration) of each matching call, by name, in time order."""
+        events, base = _load(path)
+        by_name: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        for e in events:
             if e.get("cat") == "kernel" and e.get("ph") == "X" and any(w in e["name"] for w in match):
-                by_name[e["name"]].append(e)
+                by_name[e["name"]].append((e["ts"] + base, e.get("dur", 0.0)))
         for ks in by_name.values():
-            ks.sort(key=lambda e: e["ts"])
+            ks.sort()
         return by_name
 
     c0, c1 = calls(path0), calls(path1)
@@ -61,12 +61,10 @@ def skew(path0: str, path1: str, match: list[str]) -> dict[str, dict[str, list[f
     for name in sorted(set(c0) | set(c1)):
         a, b = c0.get(name, []), c1.get(name, [])
         waits = [0.0, 0.0]
-        for x, y in zip(a, b):  # the same program on both ranks: the n-th call with the n-th
-            d = y["ts"] - x["ts"]
-            waits[0] += min(max(d, 0.0), x.get("dur", 0.0))
-            waits[1] += min(max(-d, 0.0), y.get("dur", 0.0))
-        out[name] = {"calls": [len(a), len(b)], "us": [sum(e.get("dur", 0.0) for e in ks) for ks in (a, b)],
-                     "skew": waits}
+        for (t0, d0), (t1, d1) in zip(a, b):  # the same program on both ranks: the n-th call with the n-th
+            waits[0] += min(max(t1 - t0, 0.0), d0)
+            waits[1] += min(max(t0 - t1, 0.0), d1)
+        out[name] = {"calls": [len(a), len(b)], "us": [sum(d for _, d in ks) for ks in (a, b)], "skew": waits}
     return out
 
 
@@ -76,7 +74,7 @@ def _short(name: str, n: int = 90) -> str:
 
 def summarize(path: str, who: list[str]) -> tuple[dict[str, float], dict[tuple, float]]:
     """(GPU us by kernel name, GPU us by (kernel, launching op chain)) of one trace."""
-    events = _load(path)
+    events, _ = _load(path)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and e.get("ph") == "X"]
     by_name: dict[str, float] = collections.Counter()
     for k in kernels:
