@@ -17,7 +17,7 @@ export ASYNCTP_TUNING_CACHE=$W/$TUNING ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
 PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
 # the archive is rewritten as each step ends: a run cut off by its limit still returns what
 # finished (one file: the device returns a limited number of files)
-step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout -s ABRT -k 15 "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; tar czf $OUT/run.tgz -C $W . ; }
+step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout -s ABRT -k 15 "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; tar czf $OUT/run.tgz --exclude="*trace_*.json.gz" -C $W . ; }
 for s in ${STEPS:-kernels ops bench}; do
   case $s in
     kernels) step 200 test_kernels $PYT tests/gpu/test_kernels.py ;;
@@ -34,6 +34,15 @@ for s in ${STEPS:-kernels ops bench}; do
     stages) for s2 in ${STAGES_LIST:-all_gather_matmul:fused:0 all_gather_matmul:fused:auto matmul_reduce_scatter:fused:0 matmul_reduce_scatter:fused:auto}; do
              IFS=: read -r o st g <<< "$s2"
              step 150 stages_${o}_${st}_$g python3 benchmarks/host_profile.py $R --op $o --strategy $st --graphs $g --stages --calls 50; done ;;
+    # both ranks' GPU activities per call on one clock (OP:STRATEGY:GRAPHS:M)
+    gputrace) for s2 in ${GPUTRACE:-matmul_reduce_scatter:fused:auto:8192 all_gather_matmul:fused:auto:8192}; do
+             IFS=: read -r o st g m <<< "$s2"
+             TAILN=60 step 150 gputrace_${o}_${st}_${g}_$m python3 benchmarks/host_profile.py $R --op $o --strategy $st \
+               --graphs $g --m $m --calls 20 --gpu-trace; done ;;
+    # each demo run's kernels split into the wait for the later rank and the rest (after `demo --profile --trace`)
+    skew) for t0 in $R/trace_*_rank0.json.gz; do
+            TAILN=30 step 120 skew_$(basename "$t0" _rank0.json.gz) python3 benchmarks/trace_kernels.py --skew "$t0" \
+              "${t0%_rank0.json.gz}_rank1.json.gz" --steps ${SKEW_STEPS:-5}; done ;;
     hostdemo) step ${DEMO_LIMIT:-300} hostdemo python3 -m asynctp.cli demo --model 8b-block --host-profile --out $R/hostdemo ${HOSTDEMO_ARGS:-} ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ${DEMO_ARGS:-} ;;

@@ -2,7 +2,7 @@
 stages of a call timed without a profiler (--stages).
 
     python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]  # --op: a bench op
-        [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0] [--stages]
+        [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0] [--stages | --gpu-trace [--main WORD]]
 
 Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). The call is the
 bench's own (`asynctp.bench.cases`, a row M x N x K as in asynctp/bench/shapes.py). Each profiled
@@ -11,6 +11,12 @@ OUT_DIR/host_profile_<op>_<strategy>_graphs<G>.txt: the host time per call (medi
 own time and by cumulative time. --stages writes host_stages_<op>_<strategy>_graphs<G>.txt instead:
 each stage's (STAGES: a function of the call path, wrapped by a timer) calls and inclusive host
 time per op call, beside the host time of the op's local matmul alone (the bench's compute bound).
+
+--gpu-trace: back-to-back calls under torch.profiler instead; each rank writes its trace
+(gpu_trace_<op>_<strategy>_graphs<G>_m<M>_rank<r>.json.gz) and rank 0 writes gpu_timeline_<...>.txt: per
+call, every GPU activity of both ranks (kernels, copies, memsets) on one clock (the traces'
+host-clock base), from rank 0's start of the call's main kernel (--main: a word of its name), as
+medians over the calls: what waits on what, and how far the ranks are apart.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import cProfile
 import io
 import os
 import pstats
+import re
 import statistics
 import sys
 import tempfile
@@ -169,6 +176,80 @@ def _stages(args: argparse.Namespace, problem, group, device, rank: int) -> None
         print(text)
 
 
+def _activities(path: str) -> list[tuple[float, float, str, int]]:
+    """(start on the host's clock, duration, name, stream) of a trace's GPU activities, us."""
+    import gzip
+    import json
+
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    base = data.get("baseTimeNanoseconds", 0) / 1000.0
+    return sorted((e["ts"] + base, e.get("dur", 0.0), e["name"], e.get("args", {}).get("stream", e.get("tid", -1)))
+                  for e in data["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def timeline(paths: list[str], main: str) -> str:
+    """Both ranks' activities per call, relative to rank 0's start of the call's main kernel:
+    (rank, name, n-th of that name in the call) -> median start and duration over the calls."""
+    acts = [_activities(p) for p in paths]
+    starts = [t for t, _, name, _ in acts[0] if main in name]
+    if len(starts) < 3:
+        return f"fewer than 3 calls of a kernel named *{main}* on rank 0\n"
+    period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+    rows: dict[tuple, list[tuple[float, float]]] = {}
+    for t0 in starts[1:-1]:  # whole windows only
+        for r, events in enumerate(acts):
+            seen: dict[str, int] = {}
+            for t, dur, name, stream in events:
+                if t0 - period / 2 <= t < t0 + period / 2:
+                    short = re.sub(r"<.*", "", name)[:48]
+                    n = seen[short] = seen.get(short, 0) + 1
+                    rows.setdefault((r, short, n, stream), []).append((t - t0, dur))
+    calls = len(starts) - 2
+    lines = [f"{calls} calls, period {period:.1f} us (rank 0's main kernel *{main}* to the next); start and end are"
+             f" from rank 0's main-kernel start, medians over the calls (an activity in fewer calls: its count)",
+             f"{'rank':>4s} {'stream':>6s} {'start':>8s} {'end':>8s} {'dur':>8s} {'calls':>5s}  activity"]
+    for (r, short, n, stream), v in sorted(rows.items(), key=lambda kv: (statistics.median(x for x, _ in kv[1]), kv[0][0])):
+        st = statistics.median(x for x, _ in v)
+        du = statistics.median(d for _, d in v)
+        lines.append(f"{r:4d} {stream!s:>6s} {st:8.1f} {st + du:8.1f} {du:8.1f} {len(v):5d}  {short} #{n}")
+    alone: dict[str, list[float]] = {}  # what ran after the calls: the local matmul alone
+    for t, dur, name, _ in acts[0]:
+        if t >= starts[-1] + period:
+            alone.setdefault(re.sub(r"<.*", "", name)[:48], []).append(dur)
+    lines += [f"after the calls, rank 0: {len(v)} x {statistics.median(v):.1f} us  {name}" for name, v in alone.items()
+              if len(v) >= calls // 2]
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_trace(args: argparse.Namespace, problem, group, device, rank: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    call = lambda: problem.asynctp(args.strategy)  # noqa: E731
+    for _ in range(10):
+        call()
+    align_ranks(group, device)
+    name = f"{args.op}_{args.strategy}_graphs{args.graphs}_m{args.m}"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            call()
+        align_ranks(group, device)
+        for _ in range(args.calls):  # the op's local matmul alone, for its kernel's duration
+            problem.compute_bound()
+        align_ranks(group, device)
+    paths = [os.path.join(args.out, f"gpu_trace_{name}_rank{r}.json.gz") for r in range(dist.get_world_size(group))]
+    prof.export_chrome_trace(paths[rank])
+    dist.barrier(group)
+    if rank == 0:
+        text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {args.m}x{args.n}x{args.k} on {device}, "
+                f"{args.calls} back-to-back calls, then {args.calls} of the local matmul alone\n\n")
+        text += timeline(paths, args.main)
+        with open(os.path.join(args.out, f"gpu_timeline_{name}.txt"), "w") as f:
+            f.write(text)
+        print(text[:6000])
+
+
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     from asynctp.bench.shapes import Shape
 
@@ -184,8 +265,8 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     # the bench's own call of the op (asynctp bench --op), on a row of this size
     problem = CASES[args.op].build(Shape("host_profile", "", args.m, args.n, args.k), torch.bfloat16, group, device, 0)
 
-    if args.stages:
-        _stages(args, problem, group, device, rank)
+    if args.stages or args.gpu_trace:
+        (_gpu_trace if args.gpu_trace else _stages)(args, problem, group, device, rank)
         dist.destroy_process_group()
         return
     for _ in range(5):
@@ -228,6 +309,9 @@ def main() -> int:
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--graphs", default="0", choices=("0", "1", "auto"))
     p.add_argument("--stages", action="store_true", help="time the stages of the call path without a profiler")
+    p.add_argument("--gpu-trace", action="store_true", help="back-to-back calls under torch.profiler: both ranks' "
+                   "GPU activities per call on one clock")
+    p.add_argument("--main", default="_mm_kernel", help="--gpu-trace: a word of the call's main kernel's name")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for key, value in SAFE_ENV.items():  # never NVLink multicast

@@ -76,3 +76,30 @@ def test_skew_pairs_the_ranks_calls_on_the_host_clock(tmp_path, capsys, monkeypa
     mod.main()
     assert capsys.readouterr().out.splitlines()[1].split() == ["0.90", "0.30", "0.60", "|", "0.65", "0.10", "0.55",
                                                                 "_rs_mm_kernel"]
+
+
+def test_host_profile_timeline_puts_both_ranks_on_one_clock(tmp_path):
+    """host_profile --gpu-trace: each rank's activities per call, from rank 0's main-kernel start,
+    with the traces' host-clock bases applied (rank 1's trace counts from 40 us later)."""
+    paths = []
+    for rank, base_ns, lag in ((0, 1_000_000, 0.0), (1, 1_040_000, -30.0)):  # rank 1 starts 10 us after rank 0
+        events = []
+        for i in range(6):
+            t = 1000.0 * i + lag
+            events.append({"ph": "X", "cat": "kernel", "name": "_rs_mm_kernel", "ts": t, "dur": 800.0,
+                           "args": {"stream": 7}})
+            events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": t + 300, "dur": 90.0,
+                           "args": {"stream": 9}})
+        events += [{"ph": "X", "cat": "kernel", "name": "nvjet_gemm<x>", "ts": 7000.0 + 700 * i, "dur": 650.0}
+                   for i in range(6)]
+        path = tmp_path / f"t_rank{rank}.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": events, "baseTimeNanoseconds": base_ns}, f)
+        paths.append(str(path))
+    text = load("host_profile").timeline(paths, "_mm_kernel")
+    rows = [line.split() for line in text.splitlines()[2:] if not line.startswith("after")]
+    got = {(int(r[0]), r[6]): (float(r[2]), float(r[4]), int(r[5])) for r in rows}
+    assert text.startswith("4 calls, period 1000.0 us")
+    assert got == {(0, "_rs_mm_kernel"): (0.0, 800.0, 4), (1, "_rs_mm_kernel"): (10.0, 800.0, 4),
+                   (0, "Memcpy"): (300.0, 90.0, 4), (1, "Memcpy"): (310.0, 90.0, 4)}
+    assert "after the calls, rank 0: 6 x 650.0 us  nvjet_gemm" in text
