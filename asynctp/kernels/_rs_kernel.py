@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _tile
-from asynctp.kernels.configs import Config
+from asynctp.kernels._ag_kernel import _fixup, _mainloop, _scale_mode, _spin, _split_unit, _tile, tail_scratch
+from asynctp.kernels.configs import Config, split_parts
 from asynctp.kernels.triton_util import FastLaunch
 
 
@@ -33,11 +33,11 @@ def _own_epilogue(acc, recv_desc, out_desc, bias_ptr, rank, row_c, col, N, WORLD
 @triton.jit
 def _rs_mm_kernel(
     a_desc, b_desc, recv_desc, out_desc, part_ptr, items_ptr,
-    sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
-    N, K, m, br, rank, blocks, a_dst, a_blk, sig_src, sig_blk, num_items,
-    WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AVG: tl.constexpr,
+    sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, split_ptr, split_cnt_ptr,
+    N, K, m, br, rank, blocks, a_dst, a_blk, sig_src, sig_blk, num_items, num_dp,
+    WORLD: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, B_TRANS: tl.constexpr, A_SCALE: tl.constexpr,
+    B_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, AVG: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -45,7 +45,9 @@ def _rs_mm_kernel(
     tm = br // BM
     tiles_per_item = tm * num_pid_n
     num_tiles = num_items * tiles_per_item
-    for t in range(pid, num_tiles, NUM_SMS):
+    units = num_dp + (num_tiles - num_dp) * SPLIT  # the last, partial wave's tiles in SPLIT K-parts
+    for w in range(pid, units, NUM_SMS):
+        t, part, k_lo, k_hi = _split_unit(w, num_dp, k_tiles, SPLIT)
         item, pm, pn = _tile(t, tiles_per_item, tm, num_pid_n, GROUP_M)
         kind = tl.load(items_ptr + 3 * item)
         dst = tl.load(items_ptr + 3 * item + 1)
@@ -53,37 +55,44 @@ def _rs_mm_kernel(
         row_a = dst * a_dst + j * a_blk + pm * BM
         row_c = j * br + pm * BM  # within the chunk
         off_n = pn * BN
-        acc = _mainloop(a_desc, b_desc, row_a, off_n, 0, k_tiles, BM, BN, BK, B_TRANS)
-        cols = off_n + tl.arange(0, BN)
-        if A_SCALE == 1:
-            acc = acc * tl.load(a_scale_ptr)
-        if A_SCALE == 2:
-            acc = acc * tl.load(a_scale_ptr + row_a + tl.arange(0, BM))[:, None]
-        if B_SCALE == 1:
-            acc = acc * tl.load(b_scale_ptr)
-        if B_SCALE == 2:
-            acc = acc * tl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        if kind == 0:
-            slot = (dst - rank + WORLD) % WORLD - 1
-            offs = (row_c + tl.arange(0, BM))[:, None] * N + cols[None, :]
-            tl.store(part_ptr + slot * m * N + offs, acc.to(part_ptr.dtype.element_ty), mask=(cols < N)[None, :])
-            tl.debug_barrier()  # every thread's stores are done before the release below
-            tl.atomic_add(cnt_ptr + dst * blocks + j, 1, sem="release", scope="sys")
-        else:
-            for step in tl.static_range(1, WORLD):
-                _spin(sig_ptr + ((rank - step + WORLD) % WORLD) * sig_src + j * sig_blk)
-            # the epilogue in two column halves, stored by TMA: a whole 128x256 tile with its
-            # partials and per-element pointers took 255 registers and 448 bytes of stack a thread
-            h0, h1 = acc.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
-            _own_epilogue(h0, recv_desc, out_desc, bias_ptr, rank, row_c, off_n, N, WORLD, AVG, HAS_BIAS, BM, BN // 2)
-            _own_epilogue(h1, recv_desc, out_desc, bias_ptr, rank, row_c, off_n + BN // 2, N, WORLD, AVG, HAS_BIAS,
-                          BM, BN // 2)
-            own = cnt_ptr + WORLD * blocks + j
-            if tl.atomic_add(own, 1, sem="acq_rel", scope="gpu") == tiles_per_item - 1:
-                tl.atomic_xchg(own, 0, sem="relaxed", scope="gpu")
+        acc = _mainloop(a_desc, b_desc, row_a, off_n, k_lo, k_hi, BM, BN, BK, B_TRANS)
+        finish = True
+        if SPLIT > 1:
+            if w >= num_dp:  # the part that finishes a split tile last goes on with the tile's sum
+                acc, finish = _fixup(acc, split_ptr, split_cnt_ptr, t - num_dp, part, SPLIT, BM, BN)
+        if finish:
+            cols = off_n + tl.arange(0, BN)
+            if A_SCALE == 1:
+                acc = acc * tl.load(a_scale_ptr)
+            if A_SCALE == 2:
+                acc = acc * tl.load(a_scale_ptr + row_a + tl.arange(0, BM))[:, None]
+            if B_SCALE == 1:
+                acc = acc * tl.load(b_scale_ptr)
+            if B_SCALE == 2:
+                acc = acc * tl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+            if kind == 0:
+                slot = (dst - rank + WORLD) % WORLD - 1
+                offs = (row_c + tl.arange(0, BM))[:, None] * N + cols[None, :]
+                tl.store(part_ptr + slot * m * N + offs, acc.to(part_ptr.dtype.element_ty),
+                         mask=(cols < N)[None, :])
+                tl.debug_barrier()  # every thread's stores are done before the release below
+                tl.atomic_add(cnt_ptr + dst * blocks + j, 1, sem="release", scope="sys")
+            else:
                 for step in tl.static_range(1, WORLD):
-                    src = (rank - step + WORLD) % WORLD
-                    tl.atomic_xchg(sig_ptr + src * sig_src + j * sig_blk, 0, sem="release", scope="sys")
+                    _spin(sig_ptr + ((rank - step + WORLD) % WORLD) * sig_src + j * sig_blk)
+                # the epilogue in two column halves, stored by TMA: a whole 128x256 tile with its
+                # partials and per-element pointers took 255 registers and 448 bytes of stack a thread
+                h0, h1 = acc.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+                _own_epilogue(h0, recv_desc, out_desc, bias_ptr, rank, row_c, off_n, N, WORLD, AVG, HAS_BIAS, BM,
+                              BN // 2)
+                _own_epilogue(h1, recv_desc, out_desc, bias_ptr, rank, row_c, off_n + BN // 2, N, WORLD, AVG,
+                              HAS_BIAS, BM, BN // 2)
+                own = cnt_ptr + WORLD * blocks + j
+                if tl.atomic_add(own, 1, sem="acq_rel", scope="gpu") == tiles_per_item - 1:
+                    tl.atomic_xchg(own, 0, sem="relaxed", scope="gpu")
+                    for step in tl.static_range(1, WORLD):
+                        src = (rank - step + WORLD) % WORLD
+                        tl.atomic_xchg(sig_ptr + src * sig_src + j * sig_blk, 0, sem="release", scope="sys")
 
 
 @functools.cache
@@ -110,14 +119,19 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     out_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bw])
     num_items = items.numel() // 3
     tiles = (br // bm) * triton.cdiv(n, bn)
-    grid = (max(1, min(num_sms, num_items * tiles)),)
+    all_tiles = num_items * tiles
+    split = split_parts(all_tiles, num_sms, triton.cdiv(k, bk)) if cfg.split else 1
+    tail = all_tiles % num_sms if split > 1 else 0
+    grid = (max(1, min(num_sms, all_tiles - tail + tail * split)),)
     dummy = out
+    parts, tail_counters = tail_scratch(out.device, tail, split, bm, bn) if split > 1 else (dummy, dummy)
     _rs_launch(grid, (
         a_desc, b_desc, recv_desc, out_desc, partials, items, signals, counters,
         a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
-        bias if bias is not None else dummy,
+        bias if bias is not None else dummy, parts, tail_counters,
         n, k, m, br, rank, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
-        world, bm, bn, bk, cfg.group_m, grid[0], b_trans,  # WORLD, BM, BN, BK, GROUP_M, NUM_SMS, B_TRANS
+        all_tiles - tail,
+        world, split, bm, bn, bk, cfg.group_m, grid[0], b_trans,  # WORLD, SPLIT, BM, BN, BK, GROUP_M, NUM_SMS, B_TRANS
         _scale_mode(a_scale), _scale_mode(b_scale), bias is not None,  # A_SCALE, B_SCALE, HAS_BIAS
         reduce_op == "avg",  # AVG
     ), num_warps=cfg.warps, num_stages=cfg.stages)

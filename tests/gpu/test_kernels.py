@@ -166,9 +166,11 @@ def test_chunk_map_and_flags_reset(in_place):
         assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
 
 
-@pytest.mark.parametrize("world,blocks", [(2, 1), (2, 2), (4, 2)])
-def test_producer_against_reference(world, blocks):
-    m, n, k = 512, 640, 384
+@pytest.mark.parametrize("world,blocks,m,n,k", [(2, 1, 512, 640, 384), (2, 2, 512, 640, 384), (4, 2, 512, 640, 384),
+                                                 (2, 2, 3072, 1024, 1024)])
+def test_producer_against_reference(world, blocks, m, n, k):
+    """Partials, the reduced chunk, the counters and flags left behind. The last shape has a
+    partial last wave that is split along K (192 tiles on 132 SMs: 60 in two parts each)."""
     for rank in range(world):
         a = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()

@@ -73,4 +73,31 @@ for rank in range(3):
                     reduce_op="avg", bias=bias, config=cfg)
     _, ref_avg = producer_mm_reference(a3, b3, rank, 3, 2, list(received), reduce_op="avg")
     assert torch.equal(out3, ref_avg + bias)
+# the producer with its last, partial wave split along K (K 128: 8 K-tiles): 18 tiles on 4 programs,
+# the last 2 (the own block 1's) in 2 parts each; the parts' fp32 sums added by the part that ends last
+from asynctp.kernels import _rs_kernel  # noqa: E402
+
+split_counters = torch.zeros(4, dtype=torch.int32)
+splits = []
+
+
+def _split_scratch(device, tail, split, bm, bn):
+    splits.append((tail, split))
+    return torch.full((tail * split * bm * bn,), float("nan")), split_counters
+
+
+_rs_kernel.tail_scratch = _split_scratch
+for rank in range(3):
+    a5 = torch.randint(-3, 4, (3 * 32, 128)).float()
+    b5 = torch.randint(-3, 4, (128, 40)).float()
+    received = torch.randint(-3, 4, (3, 32, 40)).float()
+    parts = torch.full((2, 32, 40), float("nan"))
+    out5 = torch.full((32, 40), float("nan"))
+    cnt = torch.zeros(3 * 2 + 2, dtype=torch.int32)
+    launch_producer(a5, b5, parts, received, out5, rank, 3, 2, (32, 16), torch.ones(6, dtype=torch.int32), (1, 3), cnt,
+                    reduce_op="avg", config=cfg)
+    ref_parts, ref_out = producer_mm_reference(a5, b5, rank, 3, 2, list(received), reduce_op="avg")
+    assert all(torch.equal(parts[i], ref_parts[i]) for i in range(2)) and torch.equal(out5, ref_out)
+    assert split_counters.count_nonzero() == 0 and cnt[6:].count_nonzero() == 0
+assert splits == [(2, 2)] * 3
 print("ok")
