@@ -83,6 +83,17 @@ def _fixup(acc, part_ptr, cnt_ptr, slot, part, SPLIT: tl.constexpr, BM: tl.const
     return acc, last
 
 
+@triton.jit
+def _tile_sum(acc, w, t, part, num_dp, part_ptr, cnt_ptr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """(the tile's sum, whether this unit goes on to the tile's epilogue): a whole tile's unit
+    always; a part of a split tile only where it is the last to finish (_fixup)."""
+    finish = True
+    if SPLIT > 1:
+        if w >= num_dp:
+            acc, finish = _fixup(acc, part_ptr, cnt_ptr, t - num_dp, part, SPLIT, BM, BN)
+    return acc, finish
+
+
 @triton.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
 def _ag_mm_kernel(
     a_desc, b_desc, c_desc, a_ptr, a_local_ptr, stride_am,
@@ -145,10 +156,7 @@ def _ag_mm_kernel(
             acc = _mainloop(tile_desc, b_desc, row_ld, off_n, k_lo, k_hi, BM, BN, BK, B_TRANS)
         else:
             acc = _mainloop(a_desc, b_desc, row_a, off_n, k_lo, k_hi, BM, BN, BK, B_TRANS)
-        finish = True
-        if SPLIT > 1:
-            if w >= num_dp:
-                acc, finish = _fixup(acc, part_ptr, tcnt_ptr, t - num_dp, part, SPLIT, BM, BN)
+        acc, finish = _tile_sum(acc, w, t, part, num_dp, part_ptr, tcnt_ptr, SPLIT, BM, BN)
         if finish:
             cols = off_n + tl.arange(0, BN)
             if A_SCALE == 1:

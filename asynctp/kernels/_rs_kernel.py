@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from asynctp.kernels._ag_kernel import _fixup, _mainloop, _scale_mode, _spin, _split_unit, _tile, tail_scratch
+from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _split_unit, _tile, _tile_sum, tail_scratch
 from asynctp.kernels.configs import Config, split_parts
 from asynctp.kernels.triton_util import FastLaunch
 
@@ -56,10 +56,7 @@ def _rs_mm_kernel(
         row_c = j * br + pm * BM  # within the chunk
         off_n = pn * BN
         acc = _mainloop(a_desc, b_desc, row_a, off_n, k_lo, k_hi, BM, BN, BK, B_TRANS)
-        finish = True
-        if SPLIT > 1:
-            if w >= num_dp:  # the part that finishes a split tile last goes on with the tile's sum
-                acc, finish = _fixup(acc, split_ptr, split_cnt_ptr, t - num_dp, part, SPLIT, BM, BN)
+        acc, finish = _tile_sum(acc, w, t, part, num_dp, split_ptr, split_cnt_ptr, SPLIT, BM, BN)
         if finish:
             cols = off_n + tl.arange(0, BN)
             if A_SCALE == 1:
