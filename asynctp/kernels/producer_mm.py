@@ -11,13 +11,15 @@ Shape legend (R = ranks, S = blocks per chunk, rank r; chunk d = the rows rank d
 
 Work items, in order (`schedule`): the peers' blocks (r + 1, r + 2, ... for block 0, then 1, ...),
 and each own block one block behind, so that the peers' pushes of that block have a block's
-compute time to land. A peer item's tiles are stored with plain stores, then (after a CTA
-barrier) a release increment of the block's counter at system scope: when it reaches the
-item's tile count, a copy stream that waits on it (a stream memory operation) may push the
-block to its owner with a copy engine and signal it. An own tile spins on every peer's flag of
-its block before its epilogue; the last own tile of a block resets those flags. Every wait of
-an own block depends only on peers' earlier items, which wait for nothing, so the GEMM may hold
-every SM.
+compute time to land. A peer item's tile is stored, and once its stores are complete a release
+increment of the block's counter at system scope follows (the Gluon kernel stores by TMA and
+releases a few K-steps into its next tile): when the counter reaches the item's tile count, a
+copy stream that waits on it (a stream memory operation) may push the block to its owner with a
+copy engine and signal it. An own tile waits for every peer's flag of its block before its
+epilogue (the Gluon kernel reads them at the tile's start and, where set, requests the received
+partial then); the last own tile of a block resets those flags. Every wait of an own block
+depends only on peers' earlier items, which wait for nothing (a pending release is made before
+any wait), so the GEMM may hold every SM.
 
 On CPU tensors `producer_mm` runs a plain-torch reference in the same order.
 """
@@ -71,22 +73,53 @@ def producer_mm_reference(
     return partials, out
 
 
+_gluon_failed: str | None = None  # why the Gluon kernel cannot run in this process (None: it may)
+
+
+def _gluon_serves(a: torch.Tensor, b: torch.Tensor, scaled: bool, cfg: Config) -> bool:
+    """The Gluon kernel takes 16-bit operands on CUDA, no scales, 128x256 tiles on 8 warps."""
+    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and not scaled
+            and (cfg.block_m, cfg.block_n, cfg.warps) == (128, 256, 8) and _gluon_failed is None)
+
+
 def launch_producer(
     a: torch.Tensor, b: torch.Tensor, partials: torch.Tensor, received: torch.Tensor, out: torch.Tensor,
     rank: int, world_size: int, blocks: int, a_strides: tuple[int, int],
     signals: torch.Tensor | object, sig_strides: tuple[int, int], counters: torch.Tensor, *,
     reduce_op: str = "sum", a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None, config: Config | None = None,
+    bias: torch.Tensor | None = None, config: Config | None = None, gluon: bool | None = None,
 ) -> tuple[int, Config]:
     """Launch the GEMM on CUDA. counters: int32, zeroed, R * blocks + blocks of them (peer
     blocks by dst * blocks + j, then own blocks); returns (tiles per block, config): a peer
-    block is complete when its counter reaches that many."""
+    block is complete when its counter reaches that many.
+
+    Two kernels compute the same values in the same order: a Gluon one (kernels/_rs_gluon.py: its
+    own tiles' received partials requested at the tile's start, the next tile's loads issued
+    before the epilogue) for 16-bit operands, and the Triton one (kernels/_rs_kernel.py) for fp8
+    and other tile shapes, or where Gluon fails to build (a warning says so, once). gluon=False
+    picks the Triton kernel (tests)."""
+    global _gluon_failed
     from asynctp.kernels import _rs_kernel as kern
 
     m, n = out.shape
     k = a.shape[1]
     cfg = config or pick_config(a.dtype, m * world_size, n, k, m // blocks)
     items = kern._items(tuple(x for item in schedule(rank, world_size, blocks) for x in item), a.device)
-    tiles = kern.launch(a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals,
-                        sig_strides, counters, reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))
-    return tiles, cfg
+    args = (a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals, sig_strides, counters,
+            reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))
+    if gluon is not False and _gluon_serves(a, b, a_scale is not None or b_scale is not None, cfg):
+        try:
+            from asynctp.kernels import _rs_gluon
+
+            return _rs_gluon.launch(*args), cfg
+        except ValueError:
+            raise
+        except Exception as exc:  # another Triton's Gluon (an experimental API): the Triton kernel instead
+            if gluon:
+                raise
+            from asynctp.config import warn_once
+
+            _gluon_failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+            warn_once("gluon-producer", "asynctp: the reduce-scatter's Gluon GEMM does not build with this Triton "
+                      f"({_gluon_failed}); the Triton kernel runs instead (slower epilogue)")
+    return kern.launch(*args), cfg

@@ -166,11 +166,13 @@ def test_chunk_map_and_flags_reset(in_place):
         assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
 
 
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
 @pytest.mark.parametrize("world,blocks,m,n,k", [(2, 1, 512, 640, 384), (2, 2, 512, 640, 384), (4, 2, 512, 640, 384),
                                                  (2, 2, 3072, 1024, 1024)])
-def test_producer_against_reference(world, blocks, m, n, k):
-    """Partials, the reduced chunk, the counters and flags left behind. The last shape has a
-    partial last wave that is split along K (192 tiles on 132 SMs: 60 in two parts each)."""
+def test_producer_against_reference(world, blocks, m, n, k, gluon):
+    """Partials, the reduced chunk, the counters and flags left behind, by either kernel. The
+    last shape has a partial last wave that the Triton kernel splits along K (192 tiles on 132
+    SMs: 60 in two parts each)."""
     for rank in range(world):
         a = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
@@ -180,7 +182,7 @@ def test_producer_against_reference(world, blocks, m, n, k):
         flags = torch.ones(world * blocks, dtype=torch.int32, device="cuda")  # (src, blk) at src + blk * world
         counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
         tiles, _ = launch_producer(a, b, partials, received, out, rank, world, blocks, (m, m // blocks), flags,
-                                   (1, world), counters)
+                                   (1, world), counters, gluon=gluon)
         ref_parts, ref_out = producer_mm_reference(a.double(), b.double(), rank, world, blocks,
                                                    [r.double() for r in received])
         for got, ref in zip(partials, ref_parts):
@@ -192,6 +194,59 @@ def test_producer_against_reference(world, blocks, m, n, k):
         assert counters[world * blocks :].count_nonzero() == 0
         own = flags.view(blocks, world)
         assert own[:, rank].eq(1).all() and own[:, [s for s in range(world) if s != rank]].eq(0).all()
+
+
+@pytest.mark.parametrize("b_layout", ["weight.t()", "[K, N]"])
+def test_producer_kernels_agree(b_layout):
+    """The Gluon and the Triton kernel add in the same order: bit-equal partials and chunks (sum;
+    avg with a bias), and the same counters and flags left behind, for either layout of b."""
+    world, blocks, m, n, k = 2, 2, 1024, 768, 640
+    a = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_layout == "weight.t()"
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
+    received = torch.randn(world, m, n, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for reduce_op, bias_ in (("sum", None), ("avg", bias)):
+        got = []
+        for gluon in (True, False):
+            partials = torch.full((world - 1, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            flags = torch.ones(world * blocks, dtype=torch.int32, device="cuda")
+            counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
+            launch_producer(a, b, partials, received, out, 1, world, blocks, (m, m // blocks), flags, (1, world),
+                            counters, reduce_op=reduce_op, bias=bias_, gluon=gluon)
+            got.append((partials, out, flags, counters))
+        assert all(torch.equal(x, y) for x, y in zip(*got))
+
+
+def test_producer_falls_back_to_triton(monkeypatch, capsys):
+    """A Gluon kernel that does not build (another Triton): one warning, and the Triton kernel's
+    result from then on."""
+    from asynctp import config
+    from asynctp.kernels import _rs_gluon, producer_mm
+
+    def broken(*args):
+        raise RuntimeError("no such Gluon builtin")
+
+    monkeypatch.setattr(_rs_gluon, "launch", broken)
+    monkeypatch.setattr(producer_mm, "_gluon_failed", None)
+    monkeypatch.setattr(config, "_warned", set())
+    world, blocks, m, n, k = 2, 1, 256, 512, 256
+    a = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    received = torch.randn(world, m, n, device="cuda", dtype=torch.bfloat16)
+    partials = torch.empty(world - 1, m, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="Gluon GEMM does not build"):
+        launch_producer(a, b, partials, received, out, 0, world, blocks, (m, m), torch.ones(world, dtype=torch.int32,
+                        device="cuda"), (1, world), torch.zeros(world + 1, dtype=torch.int32, device="cuda"))
+    assert producer_mm._gluon_failed.startswith("RuntimeError")
+    want = a[m:].double() @ b.double()
+    assert (partials[0].double() - want).norm() / want.norm() < 1e-2
+    with pytest.raises(RuntimeError, match="no such Gluon builtin"):  # asked for by name: no fallback
+        monkeypatch.setattr(producer_mm, "_gluon_failed", None)
+        launch_producer(a, b, partials, received, out, 0, world, blocks, (m, m), torch.ones(world, dtype=torch.int32,
+                        device="cuda"), (1, world), torch.zeros(world + 1, dtype=torch.int32, device="cuda"), gluon=True)
 
 
 def test_fast_launches_respecialize_on_alignment():
