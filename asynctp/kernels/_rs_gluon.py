@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from asynctp.kernels._rs_kernel import operands
 from asynctp.kernels.configs import Config
 from asynctp.kernels.triton_util import FastLaunch
 
@@ -66,6 +67,7 @@ def _now(x):
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
+# _spin and _tile restate _ag_kernel's: a Gluon function cannot call a @triton.jit one
 @gluon.jit
 def _spin(flag_ptr):
     """Wait until the flag is non-zero (acquire, system scope: a peer's stream write sets it)."""
@@ -291,17 +293,9 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     if a_scale is not None or b_scale is not None:
         raise ValueError("the Gluon producer_mm kernel takes no scales")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    m, n = out.shape
-    k = a.shape[1]
-    br = m // blocks
-    if br % bm:
-        raise ValueError(f"producer_mm requires blocks of a multiple of {bm} rows, got {br}")
-    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t()
-    if not b_trans and b.stride(1) != 1:
-        b = b.contiguous()
+    m, n, k, br, b_args, b_trans = operands(a, b, out, blocks, cfg)
     a_desc = _desc(a, list(a.shape), [a.stride(0), 1], [bm, bk])
-    b_desc = _desc(b.t() if b_trans else b, [n, k] if b_trans else [k, n], [b.stride(1), 1] if b_trans else
-                   [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
+    b_desc = _desc(*b_args)
     recv_desc = _desc(received, [world * m, n], [n, 1], [bm, bn])  # source s's rows from s * m
     part_desc = _desc(partials, [(world - 1) * m, n], [n, 1], [bm, bn])  # slot's rows from slot * m
     out_desc = _desc(out, [m, n], [n, 1], [bm, bn])

@@ -97,20 +97,28 @@ def _items(items_host: tuple, device: torch.device) -> torch.Tensor:
     return torch.tensor(items_host, dtype=torch.int32, device=device)
 
 
-def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides, signals, sig_strides,
-           counters, reduce_op, a_scale, b_scale, bias, cfg: Config, num_sms: int) -> int:
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+def operands(a, b, out, blocks: int, cfg: Config) -> tuple:
+    """(m, n, k, rows per block, b's descriptor arguments: tensor, shape, strides, block; whether
+    b is nn.Linear's weight.t()) of a launch, for either kernel."""
     m, n = out.shape
     k = a.shape[1]
     br = m // blocks
-    if br % bm:
-        raise ValueError(f"producer_mm requires blocks of a multiple of {bm} rows, got {br}")
-    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t()
+    if br % cfg.block_m:
+        raise ValueError(f"producer_mm requires blocks of a multiple of {cfg.block_m} rows, got {br}")
+    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): read as [N, K] row-major
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
+    bn, bk = cfg.block_n, cfg.block_k
+    b_args = ((b.t(), [n, k], [b.stride(1), 1], [bn, bk]) if b_trans else (b, [k, n], [b.stride(0), 1], [bk, bn]))
+    return m, n, k, br, b_args, b_trans
+
+
+def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides, signals, sig_strides,
+           counters, reduce_op, a_scale, b_scale, bias, cfg: Config, num_sms: int) -> int:
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m, n, k, br, b_args, b_trans = operands(a, b, out, blocks, cfg)
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(b.t() if b_trans else b, [n, k] if b_trans else [k, n], [b.stride(1), 1] if b_trans else
-                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
+    b_desc = TensorDescriptor(*b_args)
     bw = bn // 2  # the own tiles' epilogue works in two column halves
     recv_desc = TensorDescriptor(received, [world, m, n], [m * n, n, 1], [1, bm, bw])
     out_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bw])
