@@ -199,8 +199,10 @@ def test_producer_against_reference(world, blocks, m, n, k, gluon):
 @pytest.mark.parametrize("b_layout", ["weight.t()", "[K, N]"])
 def test_producer_kernels_agree(b_layout):
     """The Gluon and the Triton kernel add in the same order: bit-equal partials and chunks (sum;
-    avg with a bias), and the same counters and flags left behind, for either layout of b."""
+    avg with a bias), and the same counters and flags left behind, for either layout of b (the
+    Triton kernel's last wave unsplit: its K-parts would add in another order)."""
     world, blocks, m, n, k = 2, 2, 1024, 768, 640
+    whole = Config(128, 256, 64, split=False)
     a = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_layout == "weight.t()"
          else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
@@ -214,7 +216,7 @@ def test_producer_kernels_agree(b_layout):
             flags = torch.ones(world * blocks, dtype=torch.int32, device="cuda")
             counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
             launch_producer(a, b, partials, received, out, 1, world, blocks, (m, m // blocks), flags, (1, world),
-                            counters, reduce_op=reduce_op, bias=bias_, gluon=gluon)
+                            counters, reduce_op=reduce_op, bias=bias_, gluon=gluon, config=whole)
             got.append((partials, out, flags, counters))
         assert all(torch.equal(x, y) for x, y in zip(*got))
 
