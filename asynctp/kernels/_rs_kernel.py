@@ -97,6 +97,10 @@ def _items(items_host: tuple, device: torch.device) -> torch.Tensor:
     return torch.tensor(items_host, dtype=torch.int32, device=device)
 
 
+class OperandError(ValueError):
+    """The caller's operands do not fit the kernel (raised before anything is built or launched)."""
+
+
 def operands(a, b, out, blocks: int, cfg: Config) -> tuple:
     """(m, n, k, rows per block, b's descriptor arguments: tensor, shape, strides, block; whether
     b is nn.Linear's weight.t()) of a launch, for either kernel."""
@@ -104,7 +108,7 @@ def operands(a, b, out, blocks: int, cfg: Config) -> tuple:
     k = a.shape[1]
     br = m // blocks
     if br % cfg.block_m:
-        raise ValueError(f"producer_mm requires blocks of a multiple of {cfg.block_m} rows, got {br}")
+        raise OperandError(f"producer_mm requires blocks of a multiple of {cfg.block_m} rows, got {br}")
     b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): read as [N, K] row-major
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()

@@ -108,11 +108,12 @@ def launch_producer(
     args = (a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals, sig_strides, counters,
             reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))
     if gluon is not False and _gluon_serves(a, b, a_scale is not None or b_scale is not None, cfg):
-        kern.operands(a, b, out, blocks, cfg)  # the caller's errors raise here, not as a failed build below
         try:
             from asynctp.kernels import _rs_gluon
 
             return _rs_gluon.launch(*args), cfg
+        except kern.OperandError:  # the caller's operands, not the build: the Triton kernel would refuse them too
+            raise
         except Exception as exc:  # another Triton's Gluon (an experimental API): the Triton kernel instead
             if gluon:
                 raise

@@ -223,13 +223,15 @@ def test_producer_kernels_agree(b_layout):
 
 def test_producer_falls_back_to_triton(monkeypatch, capsys):
     """A Gluon kernel that does not build (another Triton): one warning, and the Triton kernel's
-    result from then on."""
+    result from then on; operands the kernels cannot take raise, and are not taken for a failed
+    build."""
     from asynctp import config
     from asynctp.kernels import _rs_gluon, producer_mm
 
     def broken(*args):
         raise RuntimeError("no such Gluon builtin")
 
+    real = _rs_gluon.launch
     monkeypatch.setattr(_rs_gluon, "launch", broken)
     monkeypatch.setattr(producer_mm, "_gluon_failed", None)
     monkeypatch.setattr(config, "_warned", set())
@@ -245,6 +247,13 @@ def test_producer_falls_back_to_triton(monkeypatch, capsys):
     assert producer_mm._gluon_failed.startswith("RuntimeError")
     want = a[m:].double() @ b.double()
     assert (partials[0].double() - want).norm() / want.norm() < 1e-2
+    monkeypatch.setattr(producer_mm, "_gluon_failed", None)
+    monkeypatch.setattr(_rs_gluon, "launch", real)
+    with pytest.raises(ValueError, match="blocks of a multiple of 128 rows, got 64"):  # the caller's: no fallback
+        launch_producer(a, b, partials, received, out, 0, world, 4, (m, m // 4), torch.ones(4 * world, dtype=torch.int32,
+                        device="cuda"), (1, world), torch.zeros(5 * world, dtype=torch.int32, device="cuda"))
+    assert producer_mm._gluon_failed is None
+    monkeypatch.setattr(_rs_gluon, "launch", broken)
     with pytest.raises(RuntimeError, match="no such Gluon builtin"):  # asked for by name: no fallback
         monkeypatch.setattr(producer_mm, "_gluon_failed", None)
         launch_producer(a, b, partials, received, out, 0, world, blocks, (m, m), torch.ones(world, dtype=torch.int32,

@@ -100,4 +100,12 @@ for rank in range(3):
     assert all(torch.equal(parts[i], ref_parts[i]) for i in range(2)) and torch.equal(out5, ref_out)
     assert split_counters.count_nonzero() == 0 and cnt[6:].count_nonzero() == 0
 assert splits == [(2, 2)] * 3
+# blocks that are not whole tiles: the caller's error, raised before anything launches
+try:
+    launch_producer(a5, b5, parts, received, out5, 0, 3, 3, (32, 10), torch.ones(9, dtype=torch.int32), (1, 3), cnt,
+                    config=cfg)
+except ValueError as exc:
+    assert "requires blocks of a multiple of 16 rows, got 10" in str(exc), exc
+else:
+    raise AssertionError("blocks of 10 rows were accepted")
 print("ok")
