@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from asynctp.bench.cases import CASES
 from asynctp.bench.launch import SAFE_ENV
 from asynctp.bench.timing import align_ranks, isolated_us
+from trace_kernels import load_trace  # benchmarks/trace_kernels.py, beside this script
 
 
 # (module, attribute path): the functions of a fused call's path whose host time is reported
@@ -178,15 +179,9 @@ def _stages(args: argparse.Namespace, problem, group, device, rank: int) -> None
 
 def _activities(path: str) -> list[tuple[float, float, str, int]]:
     """(start on the host's clock, duration, name, stream) of a trace's GPU activities, us."""
-    import gzip
-    import json
-
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    base = data.get("baseTimeNanoseconds", 0) / 1000.0
+    events, base = load_trace(path)
     return sorted((e["ts"] + base, e.get("dur", 0.0), e["name"], e.get("args", {}).get("stream", e.get("tid", -1)))
-                  for e in data["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+                  for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
 
 
 def timeline(paths: list[str], main: str) -> str:

@@ -31,7 +31,7 @@ import os
 import re
 
 
-def _load(path: str) -> tuple[list[dict], float]:
+def load_trace(path: str) -> tuple[list[dict], float]:
     """(the trace's events, where its "ts" count from on the host's clock, us: its
     baseTimeNanoseconds, 0 where the times are absolute)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -47,7 +47,7 @@ def skew(path0: str, path1: str, match: list[str]) -> dict[str, dict[str, list[f
     duration], "skew": [each rank's summed wait for the other's later start]} (us)."""
     def calls(path: str) -> dict[str, list[tuple[float, float]]]:
         """(start on the host's clock, duration) of each matching call, by name, in time order."""
-        events, base = _load(path)
+        events, base = load_trace(path)
         by_name: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
         for e in events:
             if e.get("cat") == "kernel" and e.get("ph") == "X" and any(w in e["name"] for w in match):
@@ -74,7 +74,7 @@ def _short(name: str, n: int = 90) -> str:
 
 def summarize(path: str, who: list[str]) -> tuple[dict[str, float], dict[tuple, float]]:
     """(GPU us by kernel name, GPU us by (kernel, launching op chain)) of one trace."""
-    events, _ = _load(path)
+    events, _ = load_trace(path)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and e.get("ph") == "X"]
     by_name: dict[str, float] = collections.Counter()
     for k in kernels:

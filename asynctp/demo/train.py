@@ -186,7 +186,7 @@ def train_interleaved(
                         on_step(i, step, loss, seconds)
     results = [run.finish() for run in runs]
     for run, result in zip(runs, results):
-        if passes and run.variant.asynctp_pass:  # the only run compiled with the pass
+        if run.variant.asynctp_pass:  # the only run compiled with the pass
             result.fusion = str(fusion_report()).splitlines()[0]
     return results
 

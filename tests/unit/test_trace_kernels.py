@@ -69,7 +69,7 @@ def test_skew_pairs_the_ranks_calls_on_the_host_clock(tmp_path, capsys, monkeypa
     _ranked(r1, 6_000_000, [("_rs_mm_kernel", 300, 200), ("_rs_mm_kernel", 1900, 450), ("gemm", 0, 9)])
     mod = _module()
     got = mod.skew(str(r0), str(r1), ["_rs_mm"])
-    # call 1: rank 0 at 1000, rank 1 at 1300: rank 0 waits 300; call 2: rank 1 at 2900, 100 before rank 0
+    # first calls: rank 0 at 1000, rank 1 at 1300: rank 0 waits 300; second: rank 1 at 2900, 100 before rank 0
     assert got == {"_rs_mm_kernel": {"calls": [2, 2], "us": [900, 650], "skew": [300, 100]}}
     monkeypatch.setattr("sys.argv", ["trace_kernels.py", "--skew", str(r0), str(r1), "--steps", "1",
                                      "--match", "_rs_mm"])
