@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from asynctp.bench.cases import CASES
 from asynctp.bench.launch import SAFE_ENV
-from asynctp.bench.timing import align_ranks, isolated_us
+from asynctp.bench.timing import align_ranks, isolated_us, max_over_ranks, time_us
 from trace_kernels import load_trace  # benchmarks/trace_kernels.py, beside this script
 
 
@@ -218,12 +218,28 @@ def timeline(paths: list[str], main: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _window_us(fn, calls: int, group, device) -> float:
+    """The slowest rank's mean time of `calls` back-to-back calls: one pair of events around them."""
+    align_ranks(group, device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return max_over_ranks(start.elapsed_time(end) * 1e3 / calls, group, device)
+
+
 def _gpu_trace(args: argparse.Namespace, problem, group, device, rank: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     call = lambda: problem.asynctp(args.strategy)  # noqa: E731
     for _ in range(10):
         call()
+    # the same calls timed as the bench times them (per-call events, median) and as one window over
+    # all of them (a mean): the two differ where the per-call times are skewed or the calls overlap
+    timed = {what: (time_us(fn, 50, 5, group, device), _window_us(fn, 50, group, device))
+             for what, fn in (("op", call), ("local matmul", problem.compute_bound))}
     align_ranks(group, device)
     name = f"{args.op}_{args.strategy}_graphs{args.graphs}_m{args.m}"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -238,7 +254,10 @@ def _gpu_trace(args: argparse.Namespace, problem, group, device, rank: int) -> N
     dist.barrier(group)
     if rank == 0:
         text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {args.m}x{args.n}x{args.k} on {device}, "
-                f"{args.calls} back-to-back calls, then {args.calls} of the local matmul alone\n\n")
+                f"{args.calls} back-to-back calls, then {args.calls} of the local matmul alone\n")
+        text += "".join(f"{what}, 50 back-to-back calls unprofiled: per-call events' median {med:.1f} us (the bench's "
+                        f"reading), window mean {mean:.1f} us (slowest rank)\n" for what, (med, mean) in timed.items())
+        text += "\n"
         text += timeline(paths, args.main)
         with open(os.path.join(args.out, f"gpu_timeline_{name}.txt"), "w") as f:
             f.write(text)
