@@ -228,27 +228,62 @@ def _scratch(size: int, alignment: int, stream: int) -> torch.Tensor:
                             lambda: torch.empty(size, dtype=torch.int8, device=device))
 
 
-def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
-           bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None) -> None:
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    m_total, k = n * chunk_rows, a.shape[1]
-    nn_ = out.shape[1]
-    aligned = chunk_rows % bm == 0
-    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
-    if a_local is not None:
-        if not aligned or a_local.stride(0) != a.stride(0):
-            raise ValueError(f"async_input_mm: a_local requires chunks of a multiple of {bm} rows and a's row "
-                             f"stride, got {chunk_rows} rows and strides {a_local.stride(0)} / {a.stride(0)}")
-        if a.is_cuda:
-            triton.set_allocator(_scratch)
-        if a_local_scale is None and _scale_mode(a_scale) == 2:  # the local rows' scales within a_scale
-            a_local_scale = a_scale.reshape(-1)[cmap.local_src * chunk_rows * cmap.blocks:]
-    b_desc = TensorDescriptor(b.t() if b_trans else b, [nn_, k] if b_trans else [k, nn_], [b.stride(1), 1] if b_trans else
-                              [b.stride(0), 1], [bn, bk] if b_trans else [bk, bn])
-    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
+class OperandError(ValueError):
+    """The caller's operands do not fit the kernels (raised before anything is built or launched);
+    a Gluon launch that raises it is not taken for a failed build."""
+
+
+def try_gluon(run, strict: bool, what: str) -> tuple[bool, object, str | None]:
+    """run() (a Gluon kernel's launch): (True, its result, None); where it raises, other than for
+    the caller's operands (OperandError, raised), and strict is False: a warning (once) and
+    (False, None, why) -- the caller runs the Triton kernel instead (Gluon is an experimental
+    API: another Triton may not build it)."""
+    try:
+        return True, run(), None
+    except OperandError:  # the caller's operands, not the build: the Triton kernel would refuse them too
+        raise
+    except Exception as exc:
+        if strict:
+            raise
+        from asynctp.config import warn_once
+
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        warn_once(f"gluon:{what}", f"asynctp: {what}'s Gluon GEMM does not build with this Triton ({why}); "
+                  "the Triton kernel runs instead")
+        return False, None, why
+
+
+def operands(a, b, b_trans, out, n, chunk_rows, cmap, a_local, cfg: Config) -> tuple:
+    """(M, N, K, rows per source, out rows per source and per block, b's descriptor arguments:
+    tensor, shape, strides, block) of a launch, for either kernel; a_local checked."""
+    m_total, k, nn_ = n * chunk_rows, a.shape[1], out.shape[1]
+    if a_local is not None and (chunk_rows % cfg.block_m or a_local.stride(0) != a.stride(0)
+                                or a_local.data_ptr() % 16):
+        raise OperandError(f"async_input_mm: a_local requires chunks of a multiple of {cfg.block_m} rows, a's row "
+                           f"stride and 16-byte alignment, got {chunk_rows} rows, strides {a_local.stride(0)} / "
+                           f"{a.stride(0)} and address {a_local.data_ptr():#x}")
     rows_per_src = chunk_rows * cmap.blocks
     out_src = rows_per_src if cmap.out_src is None else cmap.out_src
     out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
+    bn, bk = cfg.block_n, cfg.block_k
+    b_args = (b.t(), [nn_, k], [b.stride(1), 1], [bn, bk]) if b_trans else (b, [k, nn_], [b.stride(0), 1], [bk, bn])
+    return m_total, nn_, k, rows_per_src, out_src, out_blk, b_args
+
+
+def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
+           bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None) -> None:
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m_total, nn_, k, rows_per_src, out_src, out_blk, b_args = operands(a, b, b_trans, out, n, chunk_rows, cmap,
+                                                                       a_local, cfg)
+    aligned = chunk_rows % bm == 0
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
+    if a_local is not None:
+        if a.is_cuda:
+            triton.set_allocator(_scratch)
+        if a_local_scale is None and _scale_mode(a_scale) == 2:  # the local rows' scales within a_scale
+            a_local_scale = a_scale.reshape(-1)[cmap.local_src * rows_per_src:]
+    b_desc = TensorDescriptor(*b_args)
+    c_desc = TensorDescriptor(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
     tiles = (m_total // bm if aligned else triton.cdiv(m_total, bm)) * triton.cdiv(nn_, bn)
     split = split_parts(tiles, num_sms, triton.cdiv(k, bk)) if cfg.split else 1
     tail = tiles % num_sms if split > 1 else 0

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from asynctp.kernels._ag_kernel import _mainloop, _scale_mode, _spin, _split_unit, _tile, _tile_sum, tail_scratch
+from asynctp.kernels._ag_kernel import OperandError, _mainloop, _scale_mode, _spin, _split_unit, _tile, _tile_sum, tail_scratch
 from asynctp.kernels.configs import Config, split_parts
 from asynctp.kernels.triton_util import FastLaunch
 
@@ -95,10 +95,6 @@ def _rs_mm_kernel(
 @functools.cache
 def _items(items_host: tuple, device: torch.device) -> torch.Tensor:
     return torch.tensor(items_host, dtype=torch.int32, device=device)
-
-
-class OperandError(ValueError):
-    """The caller's operands do not fit the kernel (raised before anything is built or launched)."""
 
 
 def operands(a, b, out, blocks: int, cfg: Config) -> tuple:

@@ -19,6 +19,13 @@ caller's row order; the local source's flags (src == local_src) are never awaite
 With `counters` (int32, zeroed, one per chunk) the last tile of a chunk resets its flag to 0, so
 the flags are ready for the next call without a host-side write.
 
+Two kernels compute the same values in the same order (bit-equal, the Triton one's last wave
+unsplit): a Gluon one (kernels/_ag_gluon.py: a hand-written TMA/wgmma pipeline that loads the
+next tile's first K-steps under this tile's epilogue where that tile needs no wait) for 16-bit
+operands in chunks of whole 128x256 tiles, and the Triton one (kernels/_ag_kernel.py) for fp8,
+ragged chunks, other tile shapes, short grids whose last wave it splits along K (SPLIT_WAVES), or
+where Gluon fails to build (a warning says so, once).
+
 On CPU tensors `async_input_mm` runs a plain-torch reference in the same chunk order (exactly
 a @ b per chunk), which CI tests.
 """
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asynctp.kernels.configs import Config, pick_config
+from asynctp.kernels.configs import Config, pick_config, split_parts
 from asynctp.kernels.triton_util import sm_count, triton_available
 
 __all__ = ["async_input_mm", "ChunkMap", "chunk_order"]
@@ -139,6 +146,30 @@ def _reference(a, b, n, pivot, out, a_scale, b_scale, bias) -> torch.Tensor:
     return out
 
 
+_gluon_failed: str | None = None  # why the Gluon kernel cannot run in this process (None: it may)
+
+
+# the Triton kernel's split last wave beats the Gluon kernel's whole tiles below this many full
+# waves (one H100, 128x256 tiles: 3 full waves + 52 tiles, 4096x3584x8192: 312.9 us split against
+# 330.4; 27 full waves + 20, 8192x14336x4096: 1473.1 against 1388.2; the split saves part of one
+# wave, the Gluon kernel 3-4% of every wave)
+SPLIT_WAVES = 6
+
+
+def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, chunk_rows: int,
+                  cfg: Config, num_sms: int) -> bool:
+    """The Gluon kernel takes 16-bit operands (out too) on CUDA, no scales, chunks of whole
+    tiles, 128x256 tiles on 8 warps, where the Triton kernel would not split a last wave of a
+    short grid (SPLIT_WAVES)."""
+    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and out.dtype == a.dtype
+            and not scaled and chunk_rows % cfg.block_m == 0 and (cfg.block_m, cfg.block_n, cfg.warps) == (128, 256, 8)
+            and _gluon_failed is None):
+        return False
+    tiles = a.shape[0] // cfg.block_m * -(-out.shape[1] // cfg.block_n)
+    split = cfg.split and split_parts(tiles, num_sms, -(-a.shape[1] // cfg.block_k)) > 1
+    return not (split and tiles // num_sms < SPLIT_WAVES)
+
+
 def launch(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -156,13 +187,17 @@ def launch(
     b_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: Config | None = None,
+    gluon: bool | None = None,
 ) -> None:
     """Launch the GEMM (CUDA tensors, arguments already checked by the caller).
 
     sig_strides: (number of chunks n, flag stride per source, flag stride per block), in flags;
     signals None: no waits (every row already in place). a: the workspace rows (rank-major);
     a_local: the local source's rows (cmap.local_src), read in place of a's (no staging copy);
-    a_local_scale: their rowwise scales (default: their rows of a_scale)."""
+    a_local_scale: their rowwise scales (default: their rows of a_scale). gluon: None picks the
+    Gluon kernel where it serves, False the Triton kernel (tests), True the Gluon kernel's
+    failures raise."""
+    global _gluon_failed
     from asynctp.kernels import _ag_kernel as kern
 
     n, sig_src, sig_blk = sig_strides
@@ -172,9 +207,18 @@ def launch(
     b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): [N, K] row-major underneath
     if not b_trans and b.stride(1) != 1:
         b = b.contiguous()
-    kern.launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap,
-                counters, a_scale, b_scale, bias, cfg, sm_count(a.device), a_local=a_local,
-                a_local_scale=a_local_scale)
+    num_sms = sm_count(a.device)
+    args = (a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale, bias,
+            cfg, num_sms)
+    if gluon is not False and _gluon_serves(a, b, out, a_scale is not None or b_scale is not None, chunk_rows, cfg,
+                                            num_sms):
+        from asynctp.kernels import _ag_gluon
+
+        ran, _, _gluon_failed = kern.try_gluon(lambda: _ag_gluon.launch(*args, a_local=a_local), bool(gluon),
+                                               "the all-gather")
+        if ran:
+            return
+    kern.launch(*args, a_local=a_local, a_local_scale=a_local_scale)
 
 
 def available(a: torch.Tensor, chunk_rows: int, config: Config | None = None) -> str | None:

@@ -108,18 +108,10 @@ def launch_producer(
     args = (a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals, sig_strides, counters,
             reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))
     if gluon is not False and _gluon_serves(a, b, a_scale is not None or b_scale is not None, cfg):
-        try:
-            from asynctp.kernels import _rs_gluon
+        from asynctp.kernels import _rs_gluon
+        from asynctp.kernels._ag_kernel import try_gluon
 
-            return _rs_gluon.launch(*args), cfg
-        except kern.OperandError:  # the caller's operands, not the build: the Triton kernel would refuse them too
-            raise
-        except Exception as exc:  # another Triton's Gluon (an experimental API): the Triton kernel instead
-            if gluon:
-                raise
-            from asynctp.config import warn_once
-
-            _gluon_failed = f"{type(exc).__name__}: {str(exc)[:200]}"
-            warn_once("gluon-producer", "asynctp: the reduce-scatter's Gluon GEMM does not build with this Triton "
-                      f"({_gluon_failed}); the Triton kernel runs instead (slower epilogue)")
+        ran, tiles, _gluon_failed = try_gluon(lambda: _rs_gluon.launch(*args), bool(gluon), "the reduce-scatter")
+        if ran:
+            return tiles, cfg
     return kern.launch(*args), cfg

@@ -1,10 +1,12 @@
 """The persistent GEMMs of asynctp.kernels alone, on one GPU, in one process: against torch.mm /
 torch._scaled_mm, with flags set in advance, set late by stream writes after host-to-device
 copies on another stream (the deadlock rule: nothing the GEMM waits for needs an SM), in any
-order, from every pivot; the reduce-scatter producer's partials, counters and reduction."""
+order, from every pivot; the Gluon all-gather kernel against the reference and bit-equal to the
+Triton one; the reduce-scatter producer's partials, counters and reduction."""
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import pytest
@@ -18,6 +20,8 @@ from asynctp.kernels.producer_mm import launch_producer, producer_mm_reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FP8 = torch.float8_e4m3fn
+WHOLE = Config(128, 256, 64, split=False)  # the Triton kernel's last wave unsplit: the Gluon kernel's sums
+aim = importlib.import_module("asynctp.kernels.async_input_mm")  # the module (the package exports the function)
 
 
 def _sqnr(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -89,12 +93,17 @@ def test_split_last_wave(m):
     a = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
     w = torch.randint(-3, 4, (n, k), device="cuda").to(torch.bfloat16)
     want = (a.double() @ w.double().t()).to(torch.bfloat16)
+    def triton_mm(cfg: Config = Config(128, 256, 64)) -> torch.Tensor:  # by name: the Gluon kernel serves these
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        launch(a, w.t(), out, _flags(2), (2, 1, 0), m // 2, 1, ChunkMap(), config=cfg, gluon=False)
+        return out
+
     for split in (True, False):
-        assert torch.equal(async_input_mm(a, w.t(), _flags(2), 1, config=Config(128, 256, 64, split=split)), want)
+        assert torch.equal(triton_mm(Config(128, 256, 64, split=split)), want)
     a.normal_()
-    first = async_input_mm(a, w.t(), _flags(2), 1)
+    first = triton_mm()
     for _ in range(3):
-        assert torch.equal(async_input_mm(a, w.t(), _flags(2), 1), first)
+        assert torch.equal(triton_mm(), first)
     ref = a.double() @ w.double().t()
     assert (first.double() - ref).norm() / ref.norm() < 1e-2
     assert all(counters.count_nonzero() == 0 for _, counters in _ag_kernel._tail_state.values())
@@ -114,13 +123,17 @@ def test_repeated_launches_of_one_problem():
     assert torch.equal(async_input_mm(a, b, _flags(4), 0), first)
 
 
+@pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("pivot", [0, 1, 2, 3])
-def test_late_signals_out_of_order(pivot):
+def test_late_signals_out_of_order(pivot, programs, monkeypatch):
     """The GEMM is queued first; each chunk's rows arrive 5 ms later by a host-to-device copy on
     another stream, followed by a stream write of its flag, in a shuffled order. Exact: the
-    product equals the kernel's own product on rows that were in place from the start."""
+    product equals the kernel's own product on rows that were in place from the start. With 3
+    programs each runs 8 tiles across chunks (the Gluon kernel's next tile finds its flag unset)."""
     from asynctp.symm import streamops
 
+    if programs:
+        monkeypatch.setattr(aim, "sm_count", lambda device: programs)
     ops = streamops.load()
     if ops is None:
         pytest.skip(f"no stream memory operations: {streamops.unavailable_reason()}")
@@ -164,6 +177,110 @@ def test_chunk_map_and_flags_reset(in_place):
         plain = async_input_mm(full, b, _flags(1), 0)
         assert torch.equal(out, plain)
         assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
+
+
+# the local source (-1: none, its rows staged), a bias, batch-major output rows
+GATHER_MODES = {"waits": (-1, False, False), "bias": (-1, True, False), "batch-major": (-1, False, True),
+                "local": (1, False, False), "local-bias-batch-major": (0, True, True)}
+
+
+def _gather_case(mode: str, b_layout: str, world: int = 2, blocks: int = 2, rows: int = 512, n: int = 1200,
+                 k: int = 600) -> tuple:
+    """(every row, the workspace, the local rows, b, bias, chunk map) of a fused all-gather's GEMM:
+    ragged N and K, the local source's workspace rows NaN where they are read from a_local."""
+    local, with_bias, batch_major = GATHER_MODES[mode]
+    full = torch.randn(world * blocks * rows, k, device="cuda", dtype=torch.bfloat16)
+    ws, mine = full.clone(), None
+    if local >= 0:
+        mine = full[local * blocks * rows : (local + 1) * blocks * rows].clone()
+        ws[local * blocks * rows : (local + 1) * blocks * rows] = float("nan")
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_layout == "weight.t()"
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    cmap = ChunkMap(blocks=blocks, local_src=local, out_src=rows if batch_major else None,
+                    out_blk=world * rows if batch_major else None)
+    return full, ws, mine, b, bias, cmap
+
+
+def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: bool) -> tuple:
+    """(out, flags, counters) of one launch: every awaited flag set in advance, counters on."""
+    world = ws.shape[0] // (cmap.blocks * rows)
+    flags = torch.ones(world * cmap.blocks, dtype=torch.int32, device="cuda")  # (src, blk) at src + blk * world
+    if cmap.local_src >= 0:
+        flags.view(cmap.blocks, world)[:, cmap.local_src] = 0  # never awaited
+    counters = torch.zeros_like(flags)
+    out = torch.full((ws.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters,
+           bias=bias, config=WHOLE, gluon=gluon)
+    assert not gluon or aim._gluon_failed is None, aim._gluon_failed  # (else the Triton kernel ran)
+    return out, flags, counters
+
+
+@pytest.mark.parametrize("b_layout", ["weight.t()", "[K, N]"])
+@pytest.mark.parametrize("mode", list(GATHER_MODES))
+def test_gather_gluon_against_reference(mode, b_layout, monkeypatch):
+    """The Gluon kernel on 7 programs (each ~12 tiles across chunks, the next tile's loads issued
+    early), from pivot 3: each chunk's product lands in its output rows; flags and counters reset."""
+    monkeypatch.setattr(aim, "sm_count", lambda device: 7)
+    rows = 512
+    full, ws, mine, b, bias, cmap = _gather_case(mode, b_layout, rows=rows)
+    out, flags, counters = _gather(ws, b, mine, bias, cmap, rows, 3, gluon=True)
+    world = ws.shape[0] // (cmap.blocks * rows)
+    want = torch.empty(out.shape, dtype=torch.float64, device="cuda")
+    for src in range(world):
+        for blk in range(cmap.blocks):
+            lo = (src * cmap.blocks + blk) * rows
+            at = src * (cmap.out_src or cmap.blocks * rows) + blk * (cmap.out_blk or rows)
+            want[at : at + rows] = full[lo : lo + rows].double() @ b.double()
+    if bias is not None:
+        want += bias.double()
+    assert (out.double() - want).norm() / want.norm() < 1e-2 and not out.isnan().any()
+    assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("programs", [7, None])
+@pytest.mark.parametrize("b_layout", ["weight.t()", "[K, N]"])
+@pytest.mark.parametrize("mode", list(GATHER_MODES))
+def test_gather_kernels_agree(mode, b_layout, programs, monkeypatch):
+    """The Gluon and the Triton kernel (its last wave unsplit) add in the same order: bit-equal
+    outputs, and the same flags and counters left behind, on few programs or all SMs."""
+    if programs:
+        monkeypatch.setattr(aim, "sm_count", lambda device: programs)
+    _, ws, mine, b, bias, cmap = _gather_case(mode, b_layout)
+    got = [_gather(ws, b, mine, bias, cmap, 512, 1, gluon=gluon) for gluon in (True, False)]
+    assert all(torch.equal(x, y) for x, y in zip(*got))
+
+
+def test_gather_falls_back_to_triton(monkeypatch):
+    """A Gluon kernel that does not build (another Triton): one warning, and the Triton kernel's
+    result from then on; the caller's operand errors raise, and are not taken for a failed build;
+    gluon=True raises the build's error."""
+    from asynctp import config
+    from asynctp.kernels import _ag_gluon
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such Gluon builtin")
+
+    real = _ag_gluon.launch
+    monkeypatch.setattr(_ag_gluon, "launch", broken)
+    monkeypatch.setattr(aim, "_gluon_failed", None)
+    monkeypatch.setattr(config, "_warned", set())
+    a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="Gluon GEMM does not build"):
+        out = async_input_mm(a, b, _flags(2), 1)
+    assert aim._gluon_failed.startswith("RuntimeError")
+    want = a.double() @ b.double()
+    assert (out.double() - want).norm() / want.norm() < 1e-2
+    monkeypatch.setattr(aim, "_gluon_failed", None)
+    monkeypatch.setattr(_ag_gluon, "launch", real)
+    mine = torch.randn(256, 320, device="cuda", dtype=torch.bfloat16)[:, :256]  # row stride 320, a's 256
+    with pytest.raises(ValueError, match="a_local requires"):  # the caller's: no fallback
+        launch(a, b, out, _flags(2), (2, 1, 0), 256, 0, ChunkMap(local_src=0), a_local=mine)
+    assert aim._gluon_failed is None
+    monkeypatch.setattr(_ag_gluon, "launch", broken)
+    with pytest.raises(RuntimeError, match="no such Gluon builtin"):  # asked for by name: no fallback
+        launch(a, b, out, _flags(2), (2, 1, 0), 256, 0, ChunkMap(), gluon=True)
 
 
 @pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
@@ -251,7 +368,8 @@ def test_producer_falls_back_to_triton(monkeypatch, capsys):
     monkeypatch.setattr(_rs_gluon, "launch", real)
     with pytest.raises(ValueError, match="blocks of a multiple of 128 rows, got 64"):  # the caller's: no fallback
         launch_producer(a, b, partials, received, out, 0, world, 4, (m, m // 4), torch.ones(4 * world, dtype=torch.int32,
-                        device="cuda"), (1, world), torch.zeros(5 * world, dtype=torch.int32, device="cuda"))
+                        device="cuda"), (1, world), torch.zeros(5 * world, dtype=torch.int32, device="cuda"),
+                        config=Config(128, 256, 64))  # (without it, a 64-row tile is picked for such blocks)
     assert producer_mm._gluon_failed is None
     monkeypatch.setattr(_rs_gluon, "launch", broken)
     with pytest.raises(RuntimeError, match="no such Gluon builtin"):  # asked for by name: no fallback
@@ -264,14 +382,15 @@ def test_fast_launches_respecialize_on_alignment():
     """Launches after a key's first skip Triton's binding (triton_util.FastLaunch): an operand of
     the same shape at an address that is not 16-byte aligned gets its own compiled kernel, and
     every product stays right."""
-    from asynctp.kernels import _ag_kernel
+    from asynctp.kernels import _ag_gluon, _ag_kernel
 
     a = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(512, 640, device="cuda", dtype=torch.bfloat16)
     store = torch.randn(641, device="cuda", dtype=torch.bfloat16)
-    before = len(_ag_kernel._ag_launch.kernels)
+    compiled = lambda: len(_ag_kernel._ag_launch.kernels) + len(_ag_gluon._launch.kernels)  # noqa: E731
+    before = compiled()
     for bias in (store[:640], store[1:], store[:640], store[1:]):
         want = a.double() @ b.double() + bias.double()
         got = async_input_mm(a, b, _flags(4), 0, bias=bias)
         assert (got.double() - want).norm() / want.norm() < 1e-2
-    assert len(_ag_kernel._ag_launch.kernels) - before == 2
+    assert compiled() - before == 2

@@ -95,8 +95,8 @@ def test_kernels_in_triton_interpreter():
 
     env = script_env(TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    if "numpy" in res.stderr and "0-dimensional" in res.stderr:
-        pytest.skip("this Triton's interpreter does not run with this numpy")
+    if "only 0-dimensional arrays can be converted" in res.stderr:  # (numpy >= 2.4's message; Triton 3.6's interpreter)
+        pytest.skip("this Triton's interpreter does not run with this numpy (numpy < 2.4 runs it)")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().endswith("ok"), res.stdout
 

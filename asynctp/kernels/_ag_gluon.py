@@ -1,0 +1,219 @@
+"""A Gluon (Hopper) version of _ag_kernel's _ag_mm_kernel (imported on CUDA only: it needs Triton >= 3.6).
+
+Same tiles, tile order, chunk map, waits, resets and sums as _ag_kernel's kernel with split=False
+(bit-equal outputs); the difference is the pipeline, written out by hand as in _rs_gluon:
+- TMA loads into STAGES ring buffers (one mbarrier each) and async wgmma with one in flight; the
+  load counter runs on across tiles, so the next tile's first STAGES - 1 K-steps are in flight
+  while this tile's last K-steps and epilogue run -- where the next tile needs no wait (its
+  chunk already awaited by this program, the local source's, no waits at all) or its flag is
+  found set by a non-blocking acquire read just before those loads would be issued. Otherwise
+  the next tile spins on its flag at its start (after this tile's store is issued) and loads then;
+- the local source's rows (LOCAL) come from a second host descriptor over a_local, chosen per
+  load (the compiler makes the branch a select of the descriptor address: one TMA issue);
+- out leaves by TMA store from one 128x256 shared buffer (bias added in two column halves);
+- 16-bit operands only (no fp8 scales), chunks of whole tiles, no split-K tail (cfg.split is
+  ignored).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from asynctp.kernels._ag_kernel import operands
+from asynctp.kernels._rs_gluon import _GL_DTYPES, _async_global_fence, _desc, _finish_half, _spin, _tile
+from asynctp.kernels.configs import Config
+from asynctp.kernels.triton_util import FastLaunch
+
+
+@gluon.jit
+def _coords(t, tiles_per_group, tm, num_pid_n, pivot, num_chunks, blocks, chunk_rows, rows_per_src, local_src,
+            out_src, out_blk, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, LOCAL: gl.constexpr):
+    """Tile t's (chunk, source, block, whether its rows come from a_local, first row it loads
+    (of a_local's rows or the workspace's), first row of out, first column)."""
+    g, pm, pn = _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M)
+    c = (pivot + g) % num_chunks
+    src = c // blocks
+    blk = c - src * blocks
+    loc = (src == local_src) & LOCAL
+    row_ld = gl.where(loc, 0, src * rows_per_src) + blk * chunk_rows + pm * BM
+    return c, src, blk, loc, row_ld, src * out_src + blk * out_blk + pm * BM, pn * BN
+
+
+@gluon.jit
+def _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, slot, row, loc, off_n, k, pred, B_TRANS: gl.constexpr,
+          LOCAL: gl.constexpr):
+    """One K-step's a and b tiles into ring slot `slot` (its barrier counts their bytes); a's
+    from a_local's descriptor where `loc`."""
+    bar = ready.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    if LOCAL:
+        if loc:
+            tma.async_copy_global_to_shared(l_desc, [row, k], bar, a_bufs.index(slot), pred)
+        else:
+            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
+    else:
+        tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
+    if B_TRANS:
+        tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(slot), pred)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [k, off_n], bar, b_bufs.index(slot), pred)
+
+
+@gluon.jit
+def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc, b_desc,
+          a_bufs, b_bufs, ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, LOCAL: gl.constexpr):
+    """K-step `ki` of the tile (the program's `cons`-th): wait for its tiles, issue its wgmma, retire
+    the previous one, then refill the slot that one read with K-step ki + STAGES - 1, which is the
+    next tile's once this tile's run out (issued only where `primed`: the next tile needs no wait)."""
+    slot = cons % STAGES
+    mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
+    b = b_bufs.index(slot)
+    if B_TRANS:
+        b = b.permute((1, 0))
+    acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=use_acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc, ))
+    lk = ki + STAGES - 1
+    nxt = lk >= k_tiles
+    _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + STAGES - 1) % STAGES, gl.where(nxt, nrow, row),
+          gl.where(nxt, nloc, loc), gl.where(nxt, noff_n, off_n), gl.where(nxt, lk - k_tiles, lk) * BK,
+          (lk < k_tiles) | primed, B_TRANS, LOCAL)
+    return acc
+
+
+@gluon.jit
+def _ready(want, c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, WAIT: gl.constexpr):
+    """Whether a (wanted) next tile of chunk c = (src, blk) may be loaded now without a wait: its
+    chunk awaited by this program already, the local source's, or its flag found set by one
+    acquire read (then fenced against the TMA loads of its rows that follow)."""
+    ok = want
+    if WAIT:
+        if want & (c != waited) & (src != local_src):
+            ok = gl.atomic_add(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="acquire", scope="sys") != 0
+            _async_global_fence()
+    return ok
+
+
+@gluon.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
+def _ag_mm_kernel(
+    a_desc, l_desc, b_desc, c_desc, sig_ptr, cnt_ptr, bias_ptr,
+    N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, sig_src, sig_blk, out_src, out_blk,
+    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+    STAGES: gl.constexpr, WAIT: gl.constexpr, RESET: gl.constexpr, LOCAL: gl.constexpr, B_TRANS: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+):
+    dtype: gl.constexpr = a_desc.dtype
+    # wgmma accumulator: each warp 16 rows, m64n256k16 instructions per warpgroup
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 16])
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+
+    pid = gl.program_id(0)
+    num_pid_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)  # >= STAGES - 1 (launch picks STAGES so)
+    k_pre = gl.maximum(k_tiles - (STAGES - 1), 0)  # K-steps before the first that loads the next tile
+    tm = chunk_rows // BM
+    tiles_per_group = tm * num_pid_n
+    num_tiles = num_chunks * tiles_per_group
+    my_tiles = gl.cdiv(num_tiles - pid, NUM_SMS)  # the grid has at most num_tiles programs
+
+    c, src, blk, loc, row, row_out, off_n = _coords(pid, tiles_per_group, tm, num_pid_n, pivot, num_chunks, blocks,
+                                                    chunk_rows, rows_per_src, local_src, out_src, out_blk, BM, BN,
+                                                    GROUP_M, LOCAL)
+    cons = 0  # K-steps consumed by this program (ring slot and phase)
+    waited = -1  # the chunk whose flag this program awaited last
+    primed = pid < 0  # whether this tile's first STAGES - 1 K-steps are loading already
+    for it in range(my_tiles):
+        if not primed:  # its chunk awaited here, then its first K-steps requested
+            if WAIT:
+                if (c != waited) & (src != local_src):
+                    _spin(sig_ptr + src * sig_src + blk * sig_blk)
+            _async_global_fence()
+            for s in gl.static_range(STAGES - 1):
+                _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + s) % STAGES, row, loc, off_n, s * BK,
+                      True, B_TRANS, LOCAL)
+        waited = c
+        has_next = it + 1 < my_tiles
+        t_next = pid + gl.where(has_next, it + 1, it) * NUM_SMS
+        nc, nsrc, nblk, nloc, nrow, nrow_out, noff_n = _coords(t_next, tiles_per_group, tm, num_pid_n, pivot,
+                                                               num_chunks, blocks, chunk_rows, rows_per_src, local_src,
+                                                               out_src, out_blk, BM, BN, GROUP_M, LOCAL)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        # step 0 loads this tile's K-step STAGES - 1; a K-loop shorter than that loads no next tile's rows
+        acc = _step(acc, False, cons, 0, k_tiles, row, loc, off_n, nrow, nloc, noff_n, False, a_desc, l_desc,
+                    b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL)
+        cons += 1
+        tma.store_wait(0)  # under the first wgmma: the previous tile's store has read c_buf
+        for ki in range(1, k_pre):
+            acc = _step(acc, True, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, False, a_desc, l_desc,
+                        b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL)
+            cons += 1
+        # as late as can be: the next tile's flag, read once before the steps that would load its rows
+        primed = _ready(has_next & (k_pre > 0), nc, nsrc, nblk, waited, local_src, sig_ptr, sig_src, sig_blk, WAIT)
+        for ki in range(gl.maximum(k_pre, 1), k_tiles):
+            acc = _step(acc, True, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc,
+                        b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL)
+            cons += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+        if HAS_BIAS:  # in two column halves, as _rs_gluon's own tiles
+            h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+            _finish_half(h0, c_buf.slice(0, BN // 2, dim=1), bias_ptr, off_n, N, 1, False, True)
+            _finish_half(h1, c_buf.slice(BN // 2, BN // 2, dim=1), bias_ptr, off_n + BN // 2, N, 1, False, True)
+        else:
+            c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)
+        if RESET:
+            if src != local_src:  # the chunk's last tile resets its counter and flag for the next call
+                old = gl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
+                if old == tiles_per_group - 1:
+                    gl.atomic_xchg(cnt_ptr + c, 0, sem="relaxed", scope="gpu")
+                    gl.atomic_xchg(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="release", scope="sys")
+        c, src, blk, loc, row, row_out, off_n = nc, nsrc, nblk, nloc, nrow, nrow_out, noff_n
+
+    tma.store_wait(0)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+
+def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
+           bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None) -> None:
+    """_ag_kernel.launch's arguments and meaning (a_local_scale unused: no scales)."""
+    if a.dtype not in _GL_DTYPES or b.dtype != a.dtype or out.dtype != a.dtype:
+        raise ValueError(f"the Gluon async_input_mm kernel takes bf16 or fp16 operands and out of one dtype, got "
+                         f"{a.dtype}, {b.dtype} and {out.dtype}")
+    if a_scale is not None or b_scale is not None:
+        raise ValueError("the Gluon async_input_mm kernel takes no scales")
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m_total, nn_, k, rows_per_src, out_src, out_blk, b_args = operands(a, b, b_trans, out, n, chunk_rows, cmap,
+                                                                       a_local, cfg)
+    if chunk_rows % bm:
+        raise ValueError(f"the Gluon async_input_mm kernel requires chunks of a multiple of {bm} rows, got {chunk_rows}")
+    a_desc = _desc(a, list(a.shape), [a.stride(0), 1], [bm, bk])
+    l_desc = a_desc if a_local is None else _desc(a_local, [rows_per_src, k], [a_local.stride(0), 1], [bm, bk])
+    c_desc = _desc(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
+    tiles = (m_total // bm) * triton.cdiv(nn_, bn)
+    grid = (max(1, min(num_sms, tiles)), )
+    stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
+    dummy = out
+    _launch(grid, (
+        a_desc, l_desc, _desc(*b_args), c_desc, signals if signals is not None else dummy,
+        counters if counters is not None else dummy, bias if bias is not None else dummy,
+        nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
+        bm, bn, bk, cfg.group_m, grid[0], stages,  # BM, BN, BK, GROUP_M, NUM_SMS, STAGES
+        signals is not None, counters is not None, a_local is not None, b_trans, bias is not None,
+    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, HAS_BIAS
+
+
+_launch = FastLaunch(_ag_mm_kernel)
