@@ -34,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "COMPUTE", "COMM", "SERIAL", "TORCH", "TORCH_GRAPH", "AUTO", "AUTO_GRAPH", "SERIAL_PAIRED", "AUTO_PAIRED",
+    "MM_PAIRED",
     "today", "default_hardware", "derive", "columns", "format_table", "progress_line",
     "results_stem", "merge_rows", "write_results", "markdown",
 ]
@@ -43,9 +44,10 @@ TORCH, TORCH_GRAPH = "torch_fused", "torch_fused_graph"
 AUTO, AUTO_GRAPH = "asynctp_auto", "asynctp_auto_graph"
 SERIAL_PAIRED = "serial_paired"  # serial, timed in alternating rounds with auto
 AUTO_PAIRED = "asynctp_auto_paired"  # auto, timed in those rounds (older rows: in AUTO)
+MM_PAIRED = "compute_paired"  # the local matmul (mm only), timed in those rounds: auto's paired efficiency
 
 _HEADINGS = {
-    COMPUTE: "mm only", COMM: "comm only", SERIAL: "serial", TORCH: "torch fused",
+    COMPUTE: "mm only", COMM: "comm only", MM_PAIRED: "mm only paired", SERIAL: "serial", TORCH: "torch fused",
     TORCH_GRAPH: "torch fused graph", AUTO: "asynctp auto", AUTO_GRAPH: "asynctp auto graph",
 }
 _README_COMMAND = "python -m asynctp.cli bench --readme --out benchmarks/results"
@@ -70,8 +72,10 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     if times.get(COMPUTE) and times.get(COMM):
         row["bound_us"] = max(times[COMPUTE], times[COMM])
         row["efficiency"] = {
-            k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM) and t
+            k: row["bound_us"] / t for k, t in times.items() if k not in (COMPUTE, COMM, MM_PAIRED) and t
         }
+        if times.get(MM_PAIRED) and times.get(AUTO_PAIRED):  # both from the same rounds: no drift between them
+            row["efficiency"][AUTO_PAIRED] = max(times[MM_PAIRED], times[COMM]) / times[AUTO_PAIRED]
     if times.get(SERIAL) and times.get(AUTO):
         if times.get(SERIAL_PAIRED) and times.get(AUTO_PAIRED):
             row["auto_vs_serial"] = times[SERIAL_PAIRED] / times[AUTO_PAIRED]
@@ -107,11 +111,11 @@ def _ratio(value: float | None) -> str:
 
 def _cells(row: dict[str, Any], keys: list[str]) -> list[str]:
     if row.get("error"):
-        return [row["shape_set"], _label(row), *["-"] * (len(keys) + 3), "FAILED"]
+        return [row["shape_set"], _label(row), *["-"] * (len(keys) + 4), "FAILED"]
     eff = row["efficiency"]
     return [
         row["shape_set"], _label(row), *[_us(row["times_us"].get(k)) for k in keys],
-        _ratio(eff.get(AUTO)), _ratio(eff.get(AUTO_GRAPH)), _ratio(row.get("auto_vs_serial")),
+        _ratio(eff.get(AUTO)), _ratio(eff.get(AUTO_PAIRED)), _ratio(eff.get(AUTO_GRAPH)), _ratio(row.get("auto_vs_serial")),
         (row.get("auto_strategy") or "-") + (" (tuned)" if row.get("tuned_strategy") else ""),
     ]
 
@@ -122,7 +126,7 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def _header(keys: list[str]) -> list[str]:
-    return ["set", "M x N x K", *[_heading(k) for k in keys], "eff auto", "eff auto graph",
+    return ["set", "M x N x K", *[_heading(k) for k in keys], "eff auto", "eff auto paired", "eff auto graph",
             "serial / auto", "auto picks"]
 
 

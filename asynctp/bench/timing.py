@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "capture_graph"]
+__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "paired_us", "rounds_us",
+           "capture_graph"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -110,28 +111,42 @@ def paired_us(
     device: torch.device, rounds: int = 6,
 ) -> tuple[float, float]:
     """The slowest rank's times of fa and fb, measured in alternating rounds (fa's block, fb's
-    block, then fb's, fa's, ...) and reduced to the median of each one's round medians. For
-    comparisons of two variants whose difference is smaller than the drift of a machine over a
-    row (host-bound calls): both see the same conditions. The order flips every round, so
-    neither always runs straight after the other's block (2xH200, fp8 all-gather at llama70b
-    w13, 3 ms a call: "auto" ran the very code of "serial" and timed 4-7% slower as the second
-    of each pair, in two runs). The number of rounds is even (from 2 rounds
-    on): with an odd one, one variant would go first once more than the other, and the median
-    of the rounds could be decided by that one round."""
+    block, then fb's, fa's, ...): rounds_us of the two."""
+    a, b = rounds_us([fa, fb], iters, warmup, group, device, rounds)
+    return a, b
+
+
+def rounds_us(
+    fns: list[Callable[[], Any]], iters: int, warmup: int, group: dist.ProcessGroup, device: torch.device,
+    rounds: int = 6,
+) -> list[float]:
+    """The slowest rank's times of each of fns, measured in rounds of one block of calls each and
+    reduced to the median of each one's round medians. For comparisons of variants whose
+    difference is smaller than the drift of a machine over a row (host-bound calls; a GPU's clock
+    under sustained load): all see the same conditions. Round r runs the blocks in the order of
+    fns rotated by r (more than two: reversed in every other cycle of len(fns) rounds), so no variant always runs
+    straight after the same other (2xH200, fp8 all-gather at llama70b w13, 3 ms a call: "auto" ran
+    the very code of "serial" and timed 4-7% slower as the second of each pair, in two runs). The
+    number of rounds is even (a multiple of 2 * len(fns) for more than two, where iters allows):
+    each variant then comes at each position equally often."""
+    n = len(fns)
     rounds = max(1, min(rounds, iters))
-    rounds -= rounds % 2 if rounds > 1 else 0
+    if rounds > 1:
+        cycle = 2 * n if n > 2 and rounds >= 2 * n else 2
+        rounds -= rounds % cycle
     per_round = max(1, iters // rounds)
     align_ranks(group, device)
     for _ in range(warmup):
-        fa()
-        fb()
-    a_meds, b_meds = [], []
+        for fn in fns:
+            fn()
+    meds: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
-        order = ((fa, a_meds), (fb, b_meds)) if r % 2 == 0 else ((fb, b_meds), (fa, a_meds))
-        for fn, meds in order:
-            meds.append(median_us(fn, per_round, 0, device))
-    a, b = statistics.median(a_meds), statistics.median(b_meds)
-    return max_over_ranks(a, group, device), max_over_ranks(b, group, device)
+        order = [(r + i) % n for i in range(n)]
+        if n > 2 and (r // n) % 2:  # (two variants: the rotation alone alternates them)
+            order.reverse()
+        for i in order:
+            meds[i].append(median_us(fns[i], per_round, 0, device))
+    return [max_over_ranks(statistics.median(m), group, device) for m in meds]
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device, warmup: int = 3) -> tuple[Callable[[], None], Any]:

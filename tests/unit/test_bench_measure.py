@@ -77,3 +77,20 @@ def test_paired_timing_flips_which_variant_goes_first_every_round(monkeypatch):
                      device=torch.device("cpu"), rounds=5)
     blocks = ["".join(calls[i : i + 2]) for i in range(0, len(calls), 2)]
     assert blocks == ["aa", "bb", "bb", "aa", "aa", "bb", "bb", "aa"]
+
+
+def test_rounds_of_three_put_each_variant_at_each_position_after_each_other(monkeypatch):
+    """The local matmul, serial and auto in one set of rounds: every order of the three once."""
+    import torch
+
+    from asynctp.bench import timing
+
+    monkeypatch.setattr(timing, "align_ranks", lambda group, device: None)
+    monkeypatch.setattr(timing, "max_over_ranks", lambda value, group, device: value)
+    calls: list[str] = []
+    times = timing.rounds_us([lambda x=x: calls.append(x) for x in "abc"], iters=12, warmup=0, group=None,
+                             device=torch.device("cpu"), rounds=7)
+    assert len(times) == 3
+    blocks = ["".join(calls[i : i + 2]) for i in range(0, len(calls), 2)]
+    orders = ["".join(b[0] for b in blocks[i : i + 3]) for i in range(0, len(blocks), 3)]
+    assert orders == ["abc", "bca", "cab", "cba", "acb", "bac"]

@@ -43,6 +43,11 @@ def test_derive_efficiency_and_ratio():
     # the pair's own times where the row has them; rows before them kept the paired auto in asynctp_auto
     assert _row(serial_paired=540.0, asynctp_auto_paired=410.0)["auto_vs_serial"] == pytest.approx(540 / 410)
     assert _row(serial_paired=540.0)["auto_vs_serial"] == pytest.approx(540 / 400)
+    # auto's efficiency from its rounds with the local matmul: the rounds' own bound
+    paired = _row(asynctp_auto_paired=410.0, compute_paired=390.0)
+    assert paired["efficiency"]["asynctp_auto_paired"] == pytest.approx(390 / 410)
+    assert "compute_paired" not in paired["efficiency"]
+    assert _row(asynctp_auto_paired=410.0)["efficiency"]["asynctp_auto_paired"] == pytest.approx(373 / 410)  # (older rows)
 
 
 def test_skipped_variants_have_no_efficiency():
@@ -71,7 +76,7 @@ def test_tables_show_times_efficiency_and_failures():
     assert index.target_notes([ok, bad])[0] == "NOT met: 1 row(s) failed their check or did not run: seed 8192x3584x8192"
     md = report.markdown([ok, bad], title=True)
     assert md.startswith("# all_gather_matmul on 2xH200")
-    assert "| seed | 4096x3584x8192 | 373 | 188 | 527 | 730 | 434 | 400 | 400 | 390 | 0.93 | 0.96 | 1.32 | pipeline |" in md
+    assert "| seed | 4096x3584x8192 | 373 | 188 | 527 | 730 | 434 | 400 | 400 | 390 | 0.93 | - | 0.96 | 1.32 | pipeline |" in md
     assert "row not timed" in md and "    asynctp bench --shapes seed" in md
     assert "FAILED all_gather_matmul seed 8192x3584x8192" in report.progress_line(bad)
 
@@ -148,6 +153,10 @@ def test_fp8_and_bf16_rows_are_checked_against_one_target():
     assert "NOT met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.91, 8192: 0.91)" in index.target_notes(fp8)
     assert "met: eager auto efficiency >= 0.92 at seed M 4096/8192 (4096: 0.93, 8192: 0.93)" in index.target_notes(bf16)
     assert index.target_efficiency("all_gather_scaled_matmul_tensorwise") == 0.92
+    # rows with auto's rounds against the local matmul are checked by that efficiency
+    paired = [_row(m=m, asynctp_auto=440.0, asynctp_auto_paired=400.0, compute_paired=372.0) for m in (4096, 8192)]
+    assert ("met: eager auto efficiency (paired with mm only) >= 0.92 at seed M 4096/8192 (4096: 0.93, 8192: 0.93)"
+            in index.target_notes(paired))
 
 
 def test_fp8_tables_say_what_the_inputs_and_output_are():
