@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asynctp.bench.report import AUTO, AUTO_GRAPH, AUTO_PAIRED, TORCH, TORCH_GRAPH, _README_COMMAND, _label, markdown
+from asynctp.bench.report import AUTO, AUTO_GRAPH, AUTO_PAIRED, MM_PAIRED, TORCH, TORCH_GRAPH, _README_COMMAND, _label, markdown
 
 __all__ = ["EFFICIENCY_TARGET", "target_efficiency", "target_notes", "write_readme", "regenerate"]
 
@@ -47,10 +47,11 @@ def target_notes(rows: list[dict[str, Any]]) -> list[str]:
     if big:
         eff_target = target_efficiency(big[0]["op"])
         # auto's efficiency from rounds with the local matmul where the row has it (no drift between them)
-        eff = {r["m"]: r["efficiency"].get(AUTO_PAIRED, r["efficiency"].get(AUTO, 0)) for r in big}
+        both = all(r["times_us"].get(MM_PAIRED) for r in big)
+        eff = {r["m"]: r["efficiency"].get(AUTO_PAIRED if both else AUTO, 0) for r in big}
         effs = ", ".join(f"{m}: {e:.2f}" for m, e in eff.items())
         met = all(e >= eff_target for e in eff.values())
-        paired = " (paired with mm only)" if all(AUTO_PAIRED in r["efficiency"] for r in big) else ""
+        paired = " (paired with mm only)" if both else ""
         notes.append(f"{'met' if met else 'NOT met'}: eager auto efficiency{paired} >= {eff_target} at seed M 4096/8192 ({effs})")
     seed = [r for r in ok if r["shape_set"] == "seed"]
     torch_best = [(r, min(v for k, v in r["times_us"].items() if k in (TORCH, TORCH_GRAPH) and v))

@@ -277,9 +277,9 @@ def measure_shape(
         _counting(calls, AUTO, lambda: row.time(AUTO, lambda: problem.asynctp("auto")))
         # and against serial and the local matmul in rounds: on host-bound rows the difference of
         # auto and serial is smaller than the machine's drift between two separate timings, and a
-        # GPU's clock under sustained load drifts the op's time against its bound (2xH100, fused AG
-        # M 8192: 677 us timed alone, 746 in the row, with mm only 646 / 610) (the rounds' serial
-        # calls counted too: they never use graphs)
+        # GPU's clock under sustained load (a power cap: 1545-1980 MHz on 2xH200 during the seed rows)
+        # drifts the op's time against its bound (2xH100, fused AG M 8192: 677 us timed alone, 746
+        # in the row, with mm only 646 / 610) (the rounds' serial calls counted too: no graphs)
         _counting(calls, AUTO_PAIRED, lambda: row.time_rounds({
             SERIAL_PAIRED: lambda: problem.asynctp("serial"), AUTO_PAIRED: lambda: problem.asynctp("auto"),
             MM_PAIRED: problem.compute_bound}))
