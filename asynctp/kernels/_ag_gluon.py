@@ -10,24 +10,43 @@ Same tiles, tile order, chunk map, waits, resets and sums as _ag_kernel's kernel
   the next tile spins on its flag at its start (after this tile's store is issued) and loads then;
 - the local source's rows (LOCAL) come from a second host descriptor over a_local, chosen per
   load (the compiler makes the branch a select of the descriptor address: one TMA issue);
-- out leaves by TMA store from one 128x256 shared buffer (bias added in two column halves);
-- 16-bit operands only (no fp8 scales), chunks of whole tiles, no split-K tail (cfg.split is
-  ignored).
+- out leaves by TMA store from one 128x256 shared buffer (column scales and bias applied in two
+  column halves);
+- bf16 / fp16 operands (out of their dtype), or fp8 e4m3 with b as weight.t() only (wgmma reads
+  fp8 K-major) and the Triton kernel's scales in its order: acc * a_scale (numel 1, or per row,
+  the local source's rows' from a_local_scale) * b_scale (numel 1, or per column) + bias, one
+  rounding; chunks of whole tiles, no split-K tail (cfg.split is ignored).
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from asynctp.kernels._ag_kernel import operands
-from asynctp.kernels._rs_gluon import _GL_DTYPES, _async_global_fence, _desc, _finish_half, _spin, _tile
+from asynctp.kernels._ag_kernel import _scale_mode, operands
+from asynctp.kernels._rs_gluon import _GL_DTYPES, _async_global_fence, _finish_half, _spin, _tile
 from asynctp.kernels.configs import Config
 from asynctp.kernels.triton_util import FastLaunch
+
+FP8 = torch.float8_e4m3fn
+_DTYPES = {**_GL_DTYPES, FP8: gl.float8e4nv}
+
+
+@functools.cache
+def _layout(shape: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(shape), _DTYPES[dtype])
+
+
+def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(t, shape, strides, block, _layout(tuple(block), t.dtype))
 
 
 @gluon.jit
@@ -98,18 +117,32 @@ def _ready(want, c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, WAIT
     return ok
 
 
+@gluon.jit
+def _half(h, buf, b_scale_ptr, bias_ptr, col, N, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Columns [col, col + width) of a tile (a's scales applied): * b_scale, + bias, one rounding,
+    into their half of the epilogue buffer (column scales loaded as _finish_half loads bias)."""
+    if B_SCALE == 1:
+        h = h * gl.load(b_scale_ptr)
+    if B_SCALE == 2:
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        cols = col + gl.arange(0, h.shape[1], layout=flat)
+        sb = gl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)
+        h = h * gl.convert_layout(sb, gl.SliceLayout(0, h.type.layout))[None, :]
+    _finish_half(h, buf, bias_ptr, col, N, 1, False, HAS_BIAS)
+
+
 @gluon.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
 def _ag_mm_kernel(
-    a_desc, l_desc, b_desc, c_desc, sig_ptr, cnt_ptr, bias_ptr,
+    a_desc, l_desc, b_desc, c_desc, sig_ptr, cnt_ptr, a_scale_ptr, l_scale_ptr, b_scale_ptr, bias_ptr,
     N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, sig_src, sig_blk, out_src, out_blk,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
     STAGES: gl.constexpr, WAIT: gl.constexpr, RESET: gl.constexpr, LOCAL: gl.constexpr, B_TRANS: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
-    # wgmma accumulator: each warp 16 rows, m64n256k16 instructions per warpgroup
+    # wgmma accumulator: each warp 16 rows, m64n256 instructions per warpgroup (k16; fp8: k32)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                         instr_shape=[16, BN, 16])
+                                                         instr_shape=[16, BN, 256 // dtype.primitive_bitwidth])
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -166,10 +199,17 @@ def _ag_mm_kernel(
             cons += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
-        if HAS_BIAS:  # in two column halves, as _rs_gluon's own tiles
+        # the Triton kernel's epilogue, in its order: * a_scale, * b_scale, + bias
+        if A_SCALE == 1:
+            acc = acc * gl.load(a_scale_ptr)
+        if A_SCALE == 2:  # the tile's rows' (the local source's: a_local_scale's, from `row` as a_local's)
+            rows = row + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+            acc = acc * gl.load(gl.where(loc, l_scale_ptr, a_scale_ptr) + rows)[:, None]
+        if HAS_BIAS or B_SCALE != 0:  # in two column halves, as _rs_gluon's own tiles (fewer registers)
             h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
-            _finish_half(h0, c_buf.slice(0, BN // 2, dim=1), bias_ptr, off_n, N, 1, False, True)
-            _finish_half(h1, c_buf.slice(BN // 2, BN // 2, dim=1), bias_ptr, off_n + BN // 2, N, 1, False, True)
+            _half(h0, c_buf.slice(0, BN // 2, dim=1), b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
+            _half(h1, c_buf.slice(BN // 2, BN // 2, dim=1), b_scale_ptr, bias_ptr, off_n + BN // 2, N, B_SCALE,
+                  HAS_BIAS)
         else:
             c_buf.store(acc.to(c_desc.dtype))
         fence_async_shared()
@@ -189,17 +229,21 @@ def _ag_mm_kernel(
 
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
            bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None) -> None:
-    """_ag_kernel.launch's arguments and meaning (a_local_scale unused: no scales)."""
-    if a.dtype not in _GL_DTYPES or b.dtype != a.dtype or out.dtype != a.dtype:
-        raise ValueError(f"the Gluon async_input_mm kernel takes bf16 or fp16 operands and out of one dtype, got "
-                         f"{a.dtype}, {b.dtype} and {out.dtype}")
-    if a_scale is not None or b_scale is not None:
-        raise ValueError("the Gluon async_input_mm kernel takes no scales")
+    """_ag_kernel.launch's arguments and meaning (a_local_scale defaults as there)."""
+    fp8 = a.dtype == FP8
+    if (a.dtype not in _DTYPES or b.dtype != a.dtype or out.dtype not in _GL_DTYPES
+            or (out.dtype != a.dtype and not fp8) or (fp8 and not b_trans)):
+        raise ValueError(f"the Gluon async_input_mm kernel takes bf16 or fp16 operands and out of one dtype, or fp8 "
+                         f"e4m3 ones (b as weight.t()) and bf16 or fp16 out, got {a.dtype}, {b.dtype} "
+                         f"({'weight.t()' if b_trans else '[K, N]'}) and {out.dtype}")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     m_total, nn_, k, rows_per_src, out_src, out_blk, b_args = operands(a, b, b_trans, out, n, chunk_rows, cmap,
                                                                        a_local, cfg)
     if chunk_rows % bm:
         raise ValueError(f"the Gluon async_input_mm kernel requires chunks of a multiple of {bm} rows, got {chunk_rows}")
+    a_mode, b_mode = _scale_mode(a_scale), _scale_mode(b_scale)
+    if a_local is not None and a_local_scale is None and a_mode == 2:  # the local rows' scales within a_scale
+        a_local_scale = a_scale.reshape(-1)[cmap.local_src * rows_per_src:]
     a_desc = _desc(a, list(a.shape), [a.stride(0), 1], [bm, bk])
     l_desc = a_desc if a_local is None else _desc(a_local, [rows_per_src, k], [a_local.stride(0), 1], [bm, bk])
     c_desc = _desc(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
@@ -209,11 +253,13 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     dummy = out
     _launch(grid, (
         a_desc, l_desc, _desc(*b_args), c_desc, signals if signals is not None else dummy,
-        counters if counters is not None else dummy, bias if bias is not None else dummy,
+        counters if counters is not None else dummy, a_scale if a_scale is not None else dummy,
+        a_local_scale if a_local_scale is not None else (a_scale if a_scale is not None else dummy),
+        b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
         nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
         bm, bn, bk, cfg.group_m, grid[0], stages,  # BM, BN, BK, GROUP_M, NUM_SMS, STAGES
-        signals is not None, counters is not None, a_local is not None, b_trans, bias is not None,
-    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, HAS_BIAS
+        signals is not None, counters is not None, a_local is not None, b_trans, a_mode, b_mode, bias is not None,
+    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS
 
 
 _launch = FastLaunch(_ag_mm_kernel)

@@ -22,9 +22,9 @@ the flags are ready for the next call without a host-side write.
 Two kernels compute the same values in the same order (bit-equal, the Triton one's last wave
 unsplit): a Gluon one (kernels/_ag_gluon.py: a hand-written TMA/wgmma pipeline that loads the
 next tile's first K-steps under this tile's epilogue where that tile needs no wait) for 16-bit
-operands in chunks of whole 128x256 tiles, and the Triton one (kernels/_ag_kernel.py) for fp8,
-ragged chunks, other tile shapes, short grids whose last wave it splits along K (SPLIT_WAVES), or
-where Gluon fails to build (a warning says so, once).
+operands, and fp8 ones with b as weight.t(), in chunks of whole 128x256 tiles; and the Triton one
+(kernels/_ag_kernel.py) for fp8 with b [K, N], ragged chunks, other tile shapes, short grids whose
+last wave it splits along K (SPLIT_WAVES), or where Gluon fails to build (a warning says so, once).
 
 On CPU tensors `async_input_mm` runs a plain-torch reference in the same chunk order (exactly
 a @ b per chunk), which CI tests.
@@ -158,15 +158,19 @@ SPLIT_WAVES = 6
 
 def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, chunk_rows: int,
                   cfg: Config, num_sms: int) -> bool:
-    """The Gluon kernel takes 16-bit operands (out too) on CUDA, no scales, chunks of whole
-    tiles, 128x256 tiles on 8 warps, where the Triton kernel would not split a last wave of a
-    short grid (SPLIT_WAVES)."""
-    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and out.dtype == a.dtype
-            and not scaled and chunk_rows % cfg.block_m == 0 and (cfg.block_m, cfg.block_n, cfg.warps) == (128, 256, 8)
-            and _gluon_failed is None):
+    """The Gluon kernel takes, on CUDA, 16-bit operands (out too) without scales, or fp8 e4m3 ones
+    with b as weight.t() (wgmma reads fp8 K-major), any scales and bf16 out, where its ring and
+    epilogue buffer fit shared memory; chunks of whole tiles, 128x256 tiles on 8 warps, where the
+    Triton kernel would not split a last wave of a short grid (SPLIT_WAVES)."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
+    fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16 and b.stride(0) == 1 and b.shape[1] > 1
+           and cfg.stages * (bm + bn) * bk + bm * bn * 2 <= 227 * 1024 - 2048)  # (barriers, layout scratch)
+    if not (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and chunk_rows % bm == 0
+            and (bm, bn, cfg.warps) == (128, 256, 8) and _gluon_failed is None):
         return False
-    tiles = a.shape[0] // cfg.block_m * -(-out.shape[1] // cfg.block_n)
-    split = cfg.split and split_parts(tiles, num_sms, -(-a.shape[1] // cfg.block_k)) > 1
+    tiles = a.shape[0] // bm * -(-out.shape[1] // bn)
+    split = cfg.split and split_parts(tiles, num_sms, -(-a.shape[1] // bk)) > 1
     return not (split and tiles // num_sms < SPLIT_WAVES)
 
 
@@ -214,8 +218,8 @@ def launch(
                                             num_sms):
         from asynctp.kernels import _ag_gluon
 
-        ran, _, _gluon_failed = kern.try_gluon(lambda: _ag_gluon.launch(*args, a_local=a_local), bool(gluon),
-                                               "the all-gather")
+        run = lambda: _ag_gluon.launch(*args, a_local=a_local, a_local_scale=a_local_scale)  # noqa: E731
+        ran, _, _gluon_failed = kern.try_gluon(run, bool(gluon), "the all-gather")
         if ran:
             return
     kern.launch(*args, a_local=a_local, a_local_scale=a_local_scale)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 FP8 = torch.float8_e4m3fn
 WHOLE = Config(128, 256, 64, split=False)  # the Triton kernel's last wave unsplit: the Gluon kernel's sums
+WHOLE8 = Config(128, 256, 128, split=False)  # fp8's
 aim = importlib.import_module("asynctp.kernels.async_input_mm")  # the module (the package exports the function)
 
 
@@ -179,30 +180,34 @@ def test_chunk_map_and_flags_reset(in_place):
         assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
 
 
-# the local source (-1: none, its rows staged), a bias, batch-major output rows
-GATHER_MODES = {"waits": (-1, False, False), "bias": (-1, True, False), "batch-major": (-1, False, True),
-                "local": (1, False, False), "local-bias-batch-major": (0, True, True)}
+# local source (-1: none, its rows staged), bias, batch-major out rows, fp8 scales (0: bf16, 1: tensorwise, 2: rowwise)
+GATHER_MODES = {"waits": (-1, 0, 0, 0), "bias": (-1, 1, 0, 0), "batch-major": (-1, 0, 1, 0), "local": (1, 0, 0, 0),
+                "local-bias-batch-major": (0, 1, 1, 0), "fp8 rowwise": (-1, 0, 0, 2), "fp8 tensorwise": (-1, 0, 0, 1),
+                "fp8 tensorwise local-bias": (1, 1, 0, 1), "fp8 rowwise local-bias-batch-major": (0, 1, 1, 2)}
+GATHER_CASES = [(m, b) for m, s in GATHER_MODES.items() for b in ("weight.t()", "[K, N]")[: 2 - bool(s[3])]]
 
 
 def _gather_case(mode: str, b_layout: str, world: int = 2, blocks: int = 2, rows: int = 512, n: int = 1200,
-                 k: int = 600) -> tuple:
-    """(every row, the workspace, the local rows, b, bias, chunk map) of a fused all-gather's GEMM:
-    ragged N and K, the local source's workspace rows NaN where they are read from a_local."""
-    local, with_bias, batch_major = GATHER_MODES[mode]
-    full = torch.randn(world * blocks * rows, k, device="cuda", dtype=torch.bfloat16)
-    ws, mine = full.clone(), None
-    if local >= 0:
-        mine = full[local * blocks * rows : (local + 1) * blocks * rows].clone()
-        ws[local * blocks * rows : (local + 1) * blocks * rows] = float("nan")
-    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_layout == "weight.t()"
-         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
+                 k: int = 608) -> tuple:
+    """(every row, the workspace, the local rows, b, bias, chunk map, fp8 scales: a's, the workspace's, the local
+    rows', b's) of a fused all-gather's GEMM: ragged N and K, NaN where read from a_local (a_local_scale)."""
+    local, with_bias, batch_major, scaled = GATHER_MODES[mode]
+    dt, rw, lo, hi = FP8 if scaled else torch.bfloat16, scaled == 2, local * blocks * rows, (local + 1) * blocks * rows
+    full = torch.randn(world * blocks * rows, k, device="cuda").to(dt)
+    ws, mine = full.clone(), (full[lo:hi].clone() if local >= 0 else None)
+    ws[lo:hi] = float("nan")  # (local -1: an empty slice)
+    b = torch.randn(n, k, device="cuda").to(dt).t()
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
     cmap = ChunkMap(blocks=blocks, local_src=local, out_src=rows if batch_major else None,
                     out_blk=world * rows if batch_major else None)
-    return full, ws, mine, b, bias, cmap
+    sa = torch.rand(full.shape[0] if rw else 1, 1, device="cuda") + 0.5
+    sa_mine = sa[lo:hi].clone() if rw and local >= 0 else None  # the workspace's: NaN
+    sa_ws = sa if sa_mine is None else sa.index_fill(0, torch.arange(lo, hi, device="cuda"), float("nan"))
+    scales = (sa, sa_ws, sa_mine, torch.rand(1, n if rw else 1, device="cuda") + 0.5) if scaled else None
+    return full, ws, mine, b if b_layout == "weight.t()" else b.contiguous(), bias, cmap, scales
 
 
-def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: bool) -> tuple:
+def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: bool, scales=None) -> tuple:
     """(out, flags, counters) of one launch: every awaited flag set in advance, counters on."""
     world = ws.shape[0] // (cmap.blocks * rows)
     flags = torch.ones(world * cmap.blocks, dtype=torch.int32, device="cuda")  # (src, blk) at src + blk * world
@@ -210,28 +215,28 @@ def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: boo
         flags.view(cmap.blocks, world)[:, cmap.local_src] = 0  # never awaited
     counters = torch.zeros_like(flags)
     out = torch.full((ws.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters,
-           bias=bias, config=WHOLE, gluon=gluon)
+    _, sa, sa_mine, sb = scales or (None,) * 4
+    launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters, bias=bias,
+           a_scale=sa, a_local_scale=sa_mine, b_scale=sb, config=WHOLE8 if scales else WHOLE, gluon=gluon)
     assert not gluon or aim._gluon_failed is None, aim._gluon_failed  # (else the Triton kernel ran)
+    assert aim._gluon_serves(ws, b, out, scales is not None, rows, WHOLE8 if scales else WHOLE, 132)
     return out, flags, counters
 
 
-@pytest.mark.parametrize("b_layout", ["weight.t()", "[K, N]"])
-@pytest.mark.parametrize("mode", list(GATHER_MODES))
+@pytest.mark.parametrize("mode,b_layout", GATHER_CASES)
 def test_gather_gluon_against_reference(mode, b_layout, monkeypatch):
-    """The Gluon kernel on 7 programs (each ~12 tiles across chunks, the next tile's loads issued
-    early), from pivot 3: each chunk's product lands in its output rows; flags and counters reset."""
+    """The Gluon kernel on 7 programs (each ~12 tiles across chunks, the next tile's loads issued early), from
+    pivot 3: each chunk's product (fp8: torch._scaled_mm's) lands in its output rows; flags and counters reset."""
     monkeypatch.setattr(aim, "sm_count", lambda device: 7)
-    rows = 512
-    full, ws, mine, b, bias, cmap = _gather_case(mode, b_layout, rows=rows)
-    out, flags, counters = _gather(ws, b, mine, bias, cmap, rows, 3, gluon=True)
-    world = ws.shape[0] // (cmap.blocks * rows)
+    full, ws, mine, b, bias, cmap, scales = _gather_case(mode, b_layout, rows=(rows := 512))
+    out, flags, counters = _gather(ws, b, mine, bias, cmap, rows, 3, gluon=True, scales=scales)
+    prod = (full.double() @ b.double() if scales is None
+            else torch._scaled_mm(full, b, scales[0], scales[3], out_dtype=torch.bfloat16).double())
     want = torch.empty(out.shape, dtype=torch.float64, device="cuda")
-    for src in range(world):
-        for blk in range(cmap.blocks):
-            lo = (src * cmap.blocks + blk) * rows
-            at = src * (cmap.out_src or cmap.blocks * rows) + blk * (cmap.out_blk or rows)
-            want[at : at + rows] = full[lo : lo + rows].double() @ b.double()
+    for c in range(ws.shape[0] // rows):  # chunk c = (src, blk)
+        src, blk = divmod(c, cmap.blocks)
+        at = src * (cmap.out_src or cmap.blocks * rows) + blk * (cmap.out_blk or rows)
+        want[at : at + rows] = prod[c * rows : (c + 1) * rows]
     if bias is not None:
         want += bias.double()
     assert (out.double() - want).norm() / want.norm() < 1e-2 and not out.isnan().any()
@@ -239,15 +244,14 @@ def test_gather_gluon_against_reference(mode, b_layout, monkeypatch):
 
 
 @pytest.mark.parametrize("programs", [7, None])
-@pytest.mark.parametrize("b_layout", ["weight.t()", "[K, N]"])
-@pytest.mark.parametrize("mode", list(GATHER_MODES))
+@pytest.mark.parametrize("mode,b_layout", GATHER_CASES)
 def test_gather_kernels_agree(mode, b_layout, programs, monkeypatch):
-    """The Gluon and the Triton kernel (its last wave unsplit) add in the same order: bit-equal
-    outputs, and the same flags and counters left behind, on few programs or all SMs."""
+    """The Gluon and the Triton kernel (its last wave unsplit) add, scale (fp8) and add bias in the same order:
+    bit-equal outputs, and the same flags and counters left behind, on few programs or all SMs."""
     if programs:
         monkeypatch.setattr(aim, "sm_count", lambda device: programs)
-    _, ws, mine, b, bias, cmap = _gather_case(mode, b_layout)
-    got = [_gather(ws, b, mine, bias, cmap, 512, 1, gluon=gluon) for gluon in (True, False)]
+    _, ws, mine, b, bias, cmap, scales = _gather_case(mode, b_layout)
+    got = [_gather(ws, b, mine, bias, cmap, 512, 1, gluon, scales) for gluon in (True, False)]
     assert all(torch.equal(x, y) for x, y in zip(*got))
 
 
