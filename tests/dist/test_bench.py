@@ -93,7 +93,8 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
         ("matmul_reduce_scatter", "96x64x32"), ("matmul_reduce_scatter", "192x64x32"),
     ]
     strategies = pipelined_strategies(cases.CASES["all_gather_matmul"])
-    timed = {"compute_bound", "comm_bound", "serial", "serial_paired", "asynctp_auto", "asynctp_auto_paired"} | {
+    timed = {"compute_bound", "comm_bound", "serial", "serial_paired", "asynctp_auto", "asynctp_auto_paired",
+             "compute_paired"} | {
         f"asynctp_{s}" for s in strategies}
     for row in rows:
         assert set(row) == _ROW_KEYS and row["error"] is None
@@ -110,15 +111,19 @@ def test_rows_have_every_time_and_reason(pool, tmp_path):
         assert row["auto_vs_serial"] == row["times_us"]["serial_paired"] / row["times_us"]["asynctp_auto_paired"]
         assert row["auto_strategy"] == "pipeline"  # the cpu backend always pipelines
         # per asynctp variant, its calls through the graph cache: none on CPU
-        assert row["graph_calls"] == {k: {} for k in timed - {"compute_bound", "comm_bound", "serial_paired"}}
+        untimed_calls = {"compute_bound", "comm_bound", "serial_paired", "compute_paired"}
+        assert row["graph_calls"] == {k: {} for k in timed - untimed_calls}
+        # auto's efficiency from its rounds with the local matmul
+        t = row["times_us"]
+        assert row["efficiency"]["asynctp_auto_paired"] == max(t["compute_paired"], t["comm_bound"]) / t["asynctp_auto_paired"]
     assert rows[1]["num_bs"] == 2
     # times are maxima over ranks: every rank holds the same numbers
     for other in per_rank[1:]:
         assert [r["times_us"] for r in other] == [r["times_us"] for r in rows]
-    assert set(rows[0]["efficiency"]) == timed - {"compute_bound", "comm_bound"}
+    assert set(rows[0]["efficiency"]) == timed - {"compute_bound", "comm_bound", "compute_paired"}
     # every variant timed back to back was also timed in isolated calls, with its host time
     for row in rows:
-        iso = timed - {"serial_paired", "asynctp_auto_paired"}
+        iso = timed - {"serial_paired", "asynctp_auto_paired", "compute_paired"}
         assert set(row["isolated_us"]) == set(row["host_us"]) == iso
         assert all(row["isolated_us"][k] > 0 and row["host_us"][k] > 0 for k in iso)
 
