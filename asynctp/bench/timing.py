@@ -124,11 +124,11 @@ def rounds_us(
     reduced to the median of each one's round medians. For comparisons of variants whose
     difference is smaller than the drift of a machine over a row (host-bound calls; a GPU's clock
     under sustained load): all see the same conditions. Round r runs the blocks in the order of
-    fns rotated by r (more than two: reversed in every other cycle of len(fns) rounds), so no variant always runs
-    straight after the same other (2xH200, fp8 all-gather at llama70b w13, 3 ms a call: "auto" ran
-    the very code of "serial" and timed 4-7% slower as the second of each pair, in two runs). The
-    number of rounds is even (a multiple of 2 * len(fns) for more than two, where iters allows):
-    each variant then comes at each position equally often."""
+    fns rotated by r (more than two: reversed in every other cycle of len(fns) rounds), so no
+    variant always runs straight after the same other (2xH200, fp8 all-gather at llama70b w13, 3 ms
+    a call: "auto" ran the very code of "serial" and timed 4-7% slower as the second of each pair,
+    in two runs). The number of rounds is even (a multiple of 2 * len(fns) for more than two,
+    where iters allows): each variant then comes at each position equally often."""
     n = len(fns)
     rounds = max(1, min(rounds, iters))
     if rounds > 1:
