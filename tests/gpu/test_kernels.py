@@ -219,7 +219,7 @@ def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: boo
     launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters, bias=bias,
            a_scale=sa, a_local_scale=sa_mine, b_scale=sb, config=WHOLE8 if scales else WHOLE, gluon=gluon)
     assert not gluon or aim._gluon_failed is None, aim._gluon_failed  # (else the Triton kernel ran)
-    assert aim._gluon_serves(ws, b, out, scales is not None, rows, WHOLE8 if scales else WHOLE, 132)
+    assert aim._gluon_serves(ws, b, out, scales is not None, rows, WHOLE8 if scales else WHOLE, aim.sm_count(ws.device))
     return out, flags, counters
 
 
