@@ -27,12 +27,12 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _scale_mode, operands
-from asynctp.kernels._rs_gluon import _GL_DTYPES, _async_global_fence, _finish_half, _spin, _tile
+from asynctp.kernels._rs_gluon import _GL_DTYPES, _async_global_fence, _finish_half, _load, _spin, _step, _tile
 from asynctp.kernels.configs import Config
 from asynctp.kernels.triton_util import FastLaunch
 
@@ -61,47 +61,6 @@ def _coords(t, tiles_per_group, tm, num_pid_n, pivot, num_chunks, blocks, chunk_
     loc = (src == local_src) & LOCAL
     row_ld = gl.where(loc, 0, src * rows_per_src) + blk * chunk_rows + pm * BM
     return c, src, blk, loc, row_ld, src * out_src + blk * out_blk + pm * BM, pn * BN
-
-
-@gluon.jit
-def _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, slot, row, loc, off_n, k, pred, B_TRANS: gl.constexpr,
-          LOCAL: gl.constexpr):
-    """One K-step's a and b tiles into ring slot `slot` (its barrier counts their bytes); a's
-    from a_local's descriptor where `loc`."""
-    bar = ready.index(slot)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    if LOCAL:
-        if loc:
-            tma.async_copy_global_to_shared(l_desc, [row, k], bar, a_bufs.index(slot), pred)
-        else:
-            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
-    else:
-        tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
-    if B_TRANS:
-        tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(slot), pred)
-    else:
-        tma.async_copy_global_to_shared(b_desc, [k, off_n], bar, b_bufs.index(slot), pred)
-
-
-@gluon.jit
-def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc, b_desc,
-          a_bufs, b_bufs, ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, LOCAL: gl.constexpr):
-    """K-step `ki` of the tile (the program's `cons`-th): wait for its tiles, issue its wgmma, retire
-    the previous one, then refill the slot that one read with K-step ki + STAGES - 1, which is the
-    next tile's once this tile's run out (issued only where `primed`: the next tile needs no wait)."""
-    slot = cons % STAGES
-    mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
-    b = b_bufs.index(slot)
-    if B_TRANS:
-        b = b.permute((1, 0))
-    acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=use_acc, is_async=True)
-    acc = warpgroup_mma_wait(1, deps=(acc, ))
-    lk = ki + STAGES - 1
-    nxt = lk >= k_tiles
-    _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + STAGES - 1) % STAGES, gl.where(nxt, nrow, row),
-          gl.where(nxt, nloc, loc), gl.where(nxt, noff_n, off_n), gl.where(nxt, lk - k_tiles, lk) * BK,
-          (lk < k_tiles) | primed, B_TRANS, LOCAL)
-    return acc
 
 
 @gluon.jit

@@ -253,6 +253,20 @@ def try_gluon(run, strict: bool, what: str) -> tuple[bool, object, str | None]:
         return False, None, why
 
 
+def b_operand(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(b as the kernels read it, whether it is nn.Linear's weight.t(): [N, K] row-major underneath,
+    read so; any other layout than those two is made row-major [K, N])."""
+    b_trans = b.stride(0) == 1 and b.shape[1] > 1
+    return (b if b_trans or b.stride(1) == 1 else b.contiguous()), b_trans
+
+
+def b_descriptor(b: torch.Tensor, b_trans: bool, cfg: Config) -> tuple:
+    """b's TMA descriptor arguments (tensor, shape, strides, block) for either layout of b_operand."""
+    k, n = b.shape
+    bn, bk = cfg.block_n, cfg.block_k
+    return (b.t(), [n, k], [b.stride(1), 1], [bn, bk]) if b_trans else (b, [k, n], [b.stride(0), 1], [bk, bn])
+
+
 def operands(a, b, b_trans, out, n, chunk_rows, cmap, a_local, cfg: Config) -> tuple:
     """(M, N, K, rows per source, out rows per source and per block, b's descriptor arguments:
     tensor, shape, strides, block) of a launch, for either kernel; a_local checked."""
@@ -265,9 +279,7 @@ def operands(a, b, b_trans, out, n, chunk_rows, cmap, a_local, cfg: Config) -> t
     rows_per_src = chunk_rows * cmap.blocks
     out_src = rows_per_src if cmap.out_src is None else cmap.out_src
     out_blk = chunk_rows if cmap.out_blk is None else cmap.out_blk
-    bn, bk = cfg.block_n, cfg.block_k
-    b_args = (b.t(), [nn_, k], [b.stride(1), 1], [bn, bk]) if b_trans else (b, [k, nn_], [b.stride(0), 1], [bk, bn])
-    return m_total, nn_, k, rows_per_src, out_src, out_blk, b_args
+    return m_total, nn_, k, rows_per_src, out_src, out_blk, b_descriptor(b, b_trans, cfg)
 
 
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,

@@ -101,11 +101,19 @@ def _coords(t, items_ptr, tiles_per_item, tm, num_pid_n, br, a_dst, a_blk, BM: g
 
 
 @gluon.jit
-def _load(a_desc, b_desc, a_bufs, b_bufs, ready, slot, row, off_n, k, pred, B_TRANS: gl.constexpr):
-    """One K-step's a and b tiles into ring slot `slot` (its barrier counts their bytes)."""
+def _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, slot, row, loc, off_n, k, pred, B_TRANS: gl.constexpr,
+          LOCAL: gl.constexpr):
+    """One K-step's a and b tiles into ring slot `slot` (its barrier counts their bytes); a's
+    from l_desc (the all-gather's own rows) where LOCAL and `loc`."""
     bar = ready.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
+    if LOCAL:
+        if loc:
+            tma.async_copy_global_to_shared(l_desc, [row, k], bar, a_bufs.index(slot), pred)
+        else:
+            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
+    else:
+        tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), pred)
     if B_TRANS:
         tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(slot), pred)
     else:
@@ -113,11 +121,12 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, slot, row, off_n, k, pred, B_TR
 
 
 @gluon.jit
-def _step(acc, use_acc, cons, ki, k_tiles, row_a, off_n, nrow_a, noff_n, has_next, a_desc, b_desc, a_bufs, b_bufs,
-          ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc, b_desc,
+          a_bufs, b_bufs, ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, LOCAL: gl.constexpr):
     """K-step `ki` of the tile (the program's `cons`-th): wait for its tiles, issue its wgmma, retire
     the previous one, then refill the slot that one read with K-step ki + STAGES - 1, which is the
-    next tile's once this tile's run out."""
+    next tile's once this tile's run out (issued only where `primed`: the next tile needs no wait,
+    or it is known to be the same program's next tile)."""
     slot = cons % STAGES
     mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
     b = b_bufs.index(slot)
@@ -127,10 +136,9 @@ def _step(acc, use_acc, cons, ki, k_tiles, row_a, off_n, nrow_a, noff_n, has_nex
     acc = warpgroup_mma_wait(1, deps=(acc, ))
     lk = ki + STAGES - 1
     nxt = lk >= k_tiles
-    row = gl.where(nxt, nrow_a, row_a)
-    col = gl.where(nxt, noff_n, off_n)
-    _load(a_desc, b_desc, a_bufs, b_bufs, ready, (cons + STAGES - 1) % STAGES, row, col,
-          gl.where(nxt, lk - k_tiles, lk) * BK, (lk < k_tiles) | has_next, B_TRANS)
+    _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + STAGES - 1) % STAGES, gl.where(nxt, nrow, row),
+          gl.where(nxt, nloc, loc), gl.where(nxt, noff_n, off_n), gl.where(nxt, lk - k_tiles, lk) * BK,
+          (lk < k_tiles) | primed, B_TRANS, LOCAL)
     return acc
 
 
@@ -181,7 +189,7 @@ def _rs_mm_kernel(
     kind, dst, j, row_a, row_c, off_n = _coords(pid, items_ptr, tiles_per_item, tm, num_pid_n, br, a_dst, a_blk, BM,
                                                 BN, GROUP_M)
     for s in gl.static_range(STAGES - 1):
-        _load(a_desc, b_desc, a_bufs, b_bufs, ready, s, row_a, off_n, s * BK, True, B_TRANS)
+        _load(a_desc, a_desc, b_desc, a_bufs, b_bufs, ready, s, row_a, False, off_n, s * BK, True, B_TRANS, False)
 
     cons = 0  # K-steps consumed by this program (ring slot and phase)
     recv_phase = 0
@@ -193,8 +201,8 @@ def _rs_mm_kernel(
         nkind, ndst, nj, nrow_a, nrow_c, noff_n = _coords(t_next, items_ptr, tiles_per_item, tm, num_pid_n, br, a_dst,
                                                           a_blk, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        acc = _step(acc, False, cons, 0, k_tiles, row_a, off_n, nrow_a, noff_n, has_next, a_desc, b_desc, a_bufs,
-                    b_bufs, ready, BK, STAGES, B_TRANS)
+        acc = _step(acc, False, cons, 0, k_tiles, row_a, False, off_n, nrow_a, False, noff_n, has_next, a_desc,
+                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
         cons += 1
 
         # under the first wgmma: the previous tile's store has read the buffer, and an own tile whose
@@ -213,15 +221,15 @@ def _rs_mm_kernel(
 
         k_rel = gl.minimum(k_tiles, RELEASE_STEP)
         for ki in range(1, k_rel):
-            acc = _step(acc, True, cons, ki, k_tiles, row_a, off_n, nrow_a, noff_n, has_next, a_desc, b_desc, a_bufs,
-                        b_bufs, ready, BK, STAGES, B_TRANS)
+            acc = _step(acc, True, cons, ki, k_tiles, row_a, False, off_n, nrow_a, False, noff_n, has_next, a_desc,
+                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
             cons += 1
         if pending >= 0:  # a few K-steps on, the previous peer tile's store is surely complete: release it
             _release(cnt_ptr + pending)
             pending = -1
         for ki in range(k_rel, k_tiles):
-            acc = _step(acc, True, cons, ki, k_tiles, row_a, off_n, nrow_a, noff_n, has_next, a_desc, b_desc, a_bufs,
-                        b_bufs, ready, BK, STAGES, B_TRANS)
+            acc = _step(acc, True, cons, ki, k_tiles, row_a, False, off_n, nrow_a, False, noff_n, has_next, a_desc,
+                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
             cons += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 

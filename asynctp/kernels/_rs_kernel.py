@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from asynctp.kernels._ag_kernel import OperandError, _mainloop, _scale_mode, _spin, _split_unit, _tile, _tile_sum, tail_scratch
+from asynctp.kernels._ag_kernel import (
+    OperandError, _mainloop, _scale_mode, _spin, _split_unit, _tile, _tile_sum, b_descriptor, b_operand, tail_scratch,
+)
 from asynctp.kernels.configs import Config, split_parts
 from asynctp.kernels.triton_util import FastLaunch
 
@@ -105,12 +107,8 @@ def operands(a, b, out, blocks: int, cfg: Config) -> tuple:
     br = m // blocks
     if br % cfg.block_m:
         raise OperandError(f"producer_mm requires blocks of a multiple of {cfg.block_m} rows, got {br}")
-    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): read as [N, K] row-major
-    if not b_trans and b.stride(1) != 1:
-        b = b.contiguous()
-    bn, bk = cfg.block_n, cfg.block_k
-    b_args = ((b.t(), [n, k], [b.stride(1), 1], [bn, bk]) if b_trans else (b, [k, n], [b.stride(0), 1], [bk, bn]))
-    return m, n, k, br, b_args, b_trans
+    b, b_trans = b_operand(b)
+    return m, n, k, br, b_descriptor(b, b_trans, cfg), b_trans
 
 
 def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides, signals, sig_strides,

@@ -208,9 +208,7 @@ def launch(
     m_total, k = a.shape
     nn_ = b.shape[1]
     cfg = config or pick_config(a.dtype, m_total, nn_, k, chunk_rows)
-    b_trans = b.stride(0) == 1 and b.shape[1] > 1  # nn.Linear's weight.t(): [N, K] row-major underneath
-    if not b_trans and b.stride(1) != 1:
-        b = b.contiguous()
+    b, b_trans = kern.b_operand(b)  # nn.Linear's weight.t() read as [N, K] row-major
     num_sms = sm_count(a.device)
     args = (a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale, bias,
             cfg, num_sms)
