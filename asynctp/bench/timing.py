@@ -16,8 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "paired_us", "rounds_us",
-           "capture_graph"]
+__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "rounds_us", "capture_graph"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -104,16 +103,6 @@ def isolated_us(
             device_us.append(host_us[-1])
     return (max_over_ranks(statistics.median(device_us), group, device),
             max_over_ranks(statistics.median(host_us), group, device))
-
-
-def paired_us(
-    fa: Callable[[], Any], fb: Callable[[], Any], iters: int, warmup: int, group: dist.ProcessGroup,
-    device: torch.device, rounds: int = 6,
-) -> tuple[float, float]:
-    """The slowest rank's times of fa and fb, measured in alternating rounds (fa's block, fb's
-    block, then fb's, fa's, ...): rounds_us of the two."""
-    a, b = rounds_us([fa, fb], iters, warmup, group, device, rounds)
-    return a, b
 
 
 def rounds_us(

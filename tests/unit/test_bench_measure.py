@@ -66,14 +66,14 @@ def test_paired_timing_flips_which_variant_goes_first_every_round(monkeypatch):
     monkeypatch.setattr(timing, "align_ranks", lambda group, device: None)
     monkeypatch.setattr(timing, "max_over_ranks", lambda value, group, device: value)
     calls: list[str] = []
-    a, b = timing.paired_us(lambda: calls.append("a"), lambda: calls.append("b"), iters=8, warmup=1, group=None,
+    a, b = timing.rounds_us([lambda: calls.append("a"), lambda: calls.append("b")], iters=8, warmup=1, group=None,
                             device=torch.device("cpu"), rounds=4)
     assert calls[:2] == ["a", "b"]  # warmup
     blocks = ["".join(calls[i : i + 2]) for i in range(2, len(calls), 2)]
     assert blocks == ["aa", "bb", "bb", "aa", "aa", "bb", "bb", "aa"]
     assert a >= 0 and b >= 0
     calls.clear()  # an odd number of rounds asked for: one fewer, so each goes first equally often
-    timing.paired_us(lambda: calls.append("a"), lambda: calls.append("b"), iters=10, warmup=0, group=None,
+    timing.rounds_us([lambda: calls.append("a"), lambda: calls.append("b")], iters=10, warmup=0, group=None,
                      device=torch.device("cpu"), rounds=5)
     blocks = ["".join(calls[i : i + 2]) for i in range(0, len(calls), 2)]
     assert blocks == ["aa", "bb", "bb", "aa", "aa", "bb", "bb", "aa"]
