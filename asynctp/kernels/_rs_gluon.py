@@ -125,8 +125,8 @@ def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, 
           a_bufs, b_bufs, ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, LOCAL: gl.constexpr):
     """K-step `ki` of the tile (the program's `cons`-th): wait for its tiles, issue its wgmma, retire
     the previous one, then refill the slot that one read with K-step ki + STAGES - 1, which is the
-    next tile's once this tile's run out (issued only where `primed`: the next tile needs no wait,
-    or it is known to be the same program's next tile)."""
+    next tile's once this tile's run out (issued only where `primed`: there is a next tile and its
+    rows may be read now)."""
     slot = cons % STAGES
     mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
     b = b_bufs.index(slot)
