@@ -20,7 +20,7 @@ PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
 step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout -s ABRT -k 15 "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; tar czf $OUT/run.tgz --exclude="*trace_*.json.gz" -C $W . ; }
 for s in ${STEPS:-kernels ops bench}; do
   case $s in
-    kernels) step 200 test_kernels $PYT tests/gpu/test_kernels.py ;;
+    kernels) step 260 test_kernels $PYT tests/gpu/test_kernels.py tests/gpu/test_producer.py ;;
     kbench) step 400 kernel_bench python3 benchmarks/kernels.py $R/kernels_${HW:-gpu}.json ${KBENCH_ARGS:-} ;;
     ops) step ${OPS_LIMIT:-300} test_ops $PYT tests/gpu/test_ops.py tests/gpu/test_reliability.py ${OPS_ARGS:-} ;;
     fused) step 200 test_fused $PYT tests/gpu/test_fused.py ;;

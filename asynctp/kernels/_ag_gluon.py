@@ -32,12 +32,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _scale_mode, operands
-from asynctp.kernels._rs_gluon import _GL_DTYPES, _async_global_fence, _finish_half, _load, _spin, _step, _tile
+from asynctp.kernels._rs_gluon import (
+    _DTYPES, _GL_DTYPES, FP8, _async_global_fence, _col_scale, _finish_half, _load, _spin, _step, _tile,
+)
 from asynctp.kernels.configs import Config
 from asynctp.kernels.triton_util import FastLaunch
-
-FP8 = torch.float8_e4m3fn
-_DTYPES = {**_GL_DTYPES, FP8: gl.float8e4nv}
 
 
 @functools.cache
@@ -79,15 +78,8 @@ def _ready(want, c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, WAIT
 @gluon.jit
 def _half(h, buf, b_scale_ptr, bias_ptr, col, N, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Columns [col, col + width) of a tile (a's scales applied): * b_scale, + bias, one rounding,
-    into their half of the epilogue buffer (column scales loaded as _finish_half loads bias)."""
-    if B_SCALE == 1:
-        h = h * gl.load(b_scale_ptr)
-    if B_SCALE == 2:
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        cols = col + gl.arange(0, h.shape[1], layout=flat)
-        sb = gl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)
-        h = h * gl.convert_layout(sb, gl.SliceLayout(0, h.type.layout))[None, :]
-    _finish_half(h, buf, bias_ptr, col, N, 1, False, HAS_BIAS)
+    into their half of the epilogue buffer."""
+    _finish_half(_col_scale(h, b_scale_ptr, col, N, B_SCALE), buf, bias_ptr, col, N, 1, False, HAS_BIAS)
 
 
 @gluon.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile

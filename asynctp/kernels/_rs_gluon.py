@@ -12,7 +12,10 @@ pipeline, written out by hand instead of left to Triton's pipeliner:
 - out and partials leave by TMA store from that one 128x256 buffer; a peer tile's counter is
   released once its store has completed, RELEASE_STEP K-steps into the program's next tile (at
   the end for its last tile), so that the wait for the store to land overlaps the next wgmmas;
-- 16-bit operands only (no fp8 scales) and no split-K tail (cfg.split is ignored).
+- bf16 / fp16 operands (partials and out of their dtype), or fp8 e4m3 with b as weight.t() only
+  (wgmma reads fp8 K-major) and the Triton kernel's scales in its order: acc * a_scale (numel 1,
+  or per row) * b_scale (numel 1, or per column), then the received partials, avg and bias; no
+  split-K tail (cfg.split is ignored).
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from asynctp.kernels._ag_kernel import _scale_mode
 from asynctp.kernels._rs_kernel import operands
 from asynctp.kernels.configs import Config
 from asynctp.kernels.triton_util import FastLaunch
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+FP8 = torch.float8_e4m3fn
+_DTYPES = {**_GL_DTYPES, FP8: gl.float8e4nv}
 
 
 @gluon.jit
@@ -143,6 +149,31 @@ def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, 
 
 
 @gluon.jit
+def _row_scale(acc, a_scale_ptr, row, BM: gl.constexpr, A_SCALE: gl.constexpr):
+    """acc (rows [row, row + BM) of a tile) * a_scale (numel 1, or per row)."""
+    if A_SCALE == 1:
+        acc = acc * gl.load(a_scale_ptr)
+    if A_SCALE == 2:
+        rows = row + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+        acc = acc * gl.load(a_scale_ptr + rows)[:, None]
+    return acc
+
+
+@gluon.jit
+def _col_scale(h, b_scale_ptr, col, N, B_SCALE: gl.constexpr):
+    """h (columns [col, col + width) of a tile) * b_scale (numel 1, or per column: loaded as
+    _finish_half loads bias)."""
+    if B_SCALE == 1:
+        h = h * gl.load(b_scale_ptr)
+    if B_SCALE == 2:
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        cols = col + gl.arange(0, h.shape[1], layout=flat)
+        sb = gl.load(b_scale_ptr + cols, mask=cols < N, other=0.0)
+        h = h * gl.convert_layout(sb, gl.SliceLayout(0, h.type.layout))[None, :]
+    return h
+
+
+@gluon.jit
 def _finish_half(h, buf, bias_ptr, col, N, WORLD: gl.constexpr, AVG: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Columns [col, col + width) of an own tile, every partial added: avg and bias, one rounding,
     into their half of the epilogue buffer."""
@@ -158,20 +189,21 @@ def _finish_half(h, buf, bias_ptr, col, N, WORLD: gl.constexpr, AVG: gl.constexp
 
 @gluon.jit
 def _rs_mm_kernel(
-    a_desc, b_desc, recv_desc, out_desc, part_desc, items_ptr, sig_ptr, cnt_ptr, bias_ptr,
+    a_desc, b_desc, recv_desc, out_desc, part_desc, items_ptr, sig_ptr, cnt_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     N, K, m, br, rank, blocks, a_dst, a_blk, sig_src, sig_blk, num_items,
     WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-    NUM_SMS: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, AVG: gl.constexpr,
-    RELEASE_STEP: gl.constexpr,
+    NUM_SMS: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, A_SCALE: gl.constexpr,
+    B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, AVG: gl.constexpr, RELEASE_STEP: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
-    # wgmma accumulator: each warp 16 rows, m64n256k16 instructions per warpgroup
+    # wgmma accumulator: each warp 16 rows, m64n256 instructions per warpgroup (k16; fp8: k32)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                         instr_shape=[16, BN, 16])
+                                                         instr_shape=[16, BN, 256 // dtype.primitive_bitwidth])
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_buf = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)  # received in, results out
+    # received in, results out
+    c_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     recv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -232,10 +264,17 @@ def _rs_mm_kernel(
                     a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
             cons += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = _row_scale(acc, a_scale_ptr, row_a, BM, A_SCALE)  # the Triton kernel's order: a's, b's, the rest
 
         if kind == 0:
             slot = (dst - rank + WORLD) % WORLD - 1
-            c_buf.store(acc.to(dtype))
+            if B_SCALE != 0:  # in two column halves (fewer registers)
+                h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+                c_buf.slice(0, BN // 2, dim=1).store(_col_scale(h0, b_scale_ptr, off_n, N, B_SCALE).to(c_buf.dtype))
+                c_buf.slice(BN // 2, BN // 2, dim=1).store(
+                    _col_scale(h1, b_scale_ptr, off_n + BN // 2, N, B_SCALE).to(c_buf.dtype))
+            else:
+                c_buf.store(acc.to(c_buf.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(part_desc, [slot * m + row_c, off_n], c_buf)
             pending = dst * blocks + j
@@ -248,6 +287,8 @@ def _rs_mm_kernel(
                 tma.async_copy_global_to_shared(recv_desc, [recv_src * m + row_c, off_n], recv_bar, c_buf)
             # in two column halves (a whole 128x256 tile with its partial and bias needs ~255 registers)
             h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+            h0 = _col_scale(h0, b_scale_ptr, off_n, N, B_SCALE)
+            h1 = _col_scale(h1, b_scale_ptr, off_n + BN // 2, N, B_SCALE)
             lo = c_buf.slice(0, BN // 2, dim=1)
             hi = c_buf.slice(BN // 2, BN // 2, dim=1)
             for step in gl.static_range(1, WORLD):  # the peers' partials in step order
@@ -287,7 +328,7 @@ def _rs_mm_kernel(
 
 @functools.cache
 def _layout(shape: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(list(shape), _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(shape), _DTYPES[dtype])
 
 
 def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
@@ -296,12 +337,15 @@ def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int
 
 def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides, signals, sig_strides,
            counters, reduce_op, a_scale, b_scale, bias, cfg: Config, num_sms: int) -> int:
-    if a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
-        raise ValueError(f"the Gluon producer_mm kernel takes bf16 or fp16 operands, got {a.dtype} and {b.dtype}")
-    if a_scale is not None or b_scale is not None:
-        raise ValueError("the Gluon producer_mm kernel takes no scales")
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    fp8 = a.dtype == FP8
     m, n, k, br, b_args, b_trans = operands(a, b, out, blocks, cfg)
+    if (a.dtype not in _DTYPES or b.dtype != a.dtype or out.dtype not in _GL_DTYPES or partials.dtype != out.dtype
+            or (out.dtype != a.dtype and not fp8) or (fp8 and not b_trans)
+            or (not fp8 and (a_scale is not None or b_scale is not None))):
+        raise ValueError(f"the Gluon producer_mm kernel takes bf16 or fp16 operands and out of one dtype without "
+                         f"scales, or fp8 e4m3 ones (b as weight.t()) and bf16 or fp16 out, got {a.dtype}, {b.dtype} "
+                         f"({'weight.t()' if b_trans else '[K, N]'}) and {out.dtype}")
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_desc = _desc(a, list(a.shape), [a.stride(0), 1], [bm, bk])
     b_desc = _desc(*b_args)
     recv_desc = _desc(received, [world * m, n], [n, 1], [bm, bn])  # source s's rows from s * m
@@ -311,12 +355,15 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     tiles = (br // bm) * triton.cdiv(n, bn)
     grid = (max(1, min(num_sms, num_items * tiles)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
+    dummy = out
     _launch(grid, (
-        a_desc, b_desc, recv_desc, out_desc, part_desc, items, signals, counters, bias if bias is not None else out,
+        a_desc, b_desc, recv_desc, out_desc, part_desc, items, signals, counters,
+        a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
+        bias if bias is not None else dummy,
         n, k, m, br, rank, blocks, a_strides[0], a_strides[1], sig_strides[0], sig_strides[1], num_items,
         world, bm, bn, bk, cfg.group_m, grid[0], stages, b_trans,  # WORLD, BM, BN, BK, GROUP_M, NUM_SMS, STAGES,
-        bias is not None, reduce_op == "avg", 4,  # B_TRANS, HAS_BIAS, AVG, RELEASE_STEP
-    ), num_warps=cfg.warps)
+        _scale_mode(a_scale), _scale_mode(b_scale), bias is not None, reduce_op == "avg", 4,
+    ), num_warps=cfg.warps)  # B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, AVG, RELEASE_STEP
     return tiles
 
 

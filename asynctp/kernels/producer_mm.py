@@ -76,10 +76,16 @@ def producer_mm_reference(
 _gluon_failed: str | None = None  # why the Gluon kernel cannot run in this process (None: it may)
 
 
-def _gluon_serves(a: torch.Tensor, b: torch.Tensor, scaled: bool, cfg: Config) -> bool:
-    """The Gluon kernel takes 16-bit operands on CUDA, no scales, 128x256 tiles on 8 warps."""
-    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and not scaled
-            and (cfg.block_m, cfg.block_n, cfg.warps) == (128, 256, 8) and _gluon_failed is None)
+def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, cfg: Config) -> bool:
+    """The Gluon kernel takes, on CUDA, 16-bit operands (out too) without scales, or fp8 e4m3 ones
+    with b as weight.t() (wgmma reads fp8 K-major), any scales and bf16 or fp16 out, where its ring
+    and epilogue buffer fit shared memory; 128x256 tiles on 8 warps."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
+    fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype in (torch.bfloat16, torch.float16) and b.stride(0) == 1
+           and b.shape[1] > 1 and cfg.stages * (bm + bn) * bk + bm * bn * 2 <= 227 * 1024 - 2048)
+    return (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and (bm, bn, cfg.warps) == (128, 256, 8)
+            and _gluon_failed is None)
 
 
 def launch_producer(
@@ -95,9 +101,9 @@ def launch_producer(
 
     Two kernels compute the same values in the same order: a Gluon one (kernels/_rs_gluon.py: its
     own tiles' received partials requested at the tile's start, the next tile's loads issued
-    before the epilogue) for 16-bit operands, and the Triton one (kernels/_rs_kernel.py) for fp8
-    and other tile shapes, or where Gluon fails to build (a warning says so, once). gluon=False
-    picks the Triton kernel (tests)."""
+    before the epilogue) for 16-bit operands and fp8 ones with b as weight.t(), and the Triton one
+    (kernels/_rs_kernel.py) for fp8 with b [K, N] and other tile shapes, or where Gluon fails to
+    build (a warning says so, once). gluon=False picks the Triton kernel (tests)."""
     global _gluon_failed
     from asynctp.kernels import _rs_kernel as kern
 
@@ -107,7 +113,7 @@ def launch_producer(
     items = kern._items(tuple(x for item in schedule(rank, world_size, blocks) for x in item), a.device)
     args = (a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals, sig_strides, counters,
             reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))
-    if gluon is not False and _gluon_serves(a, b, a_scale is not None or b_scale is not None, cfg):
+    if gluon is not False and _gluon_serves(a, b, out, a_scale is not None or b_scale is not None, cfg):
         from asynctp.kernels import _rs_gluon
         from asynctp.kernels._ag_kernel import try_gluon
 
