@@ -287,8 +287,9 @@ def _rs_mm_kernel(
                 tma.async_copy_global_to_shared(recv_desc, [recv_src * m + row_c, off_n], recv_bar, c_buf)
             # in two column halves (a whole 128x256 tile with its partial and bias needs ~255 registers)
             h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
-            h0 = _col_scale(h0, b_scale_ptr, off_n, N, B_SCALE)
-            h1 = _col_scale(h1, b_scale_ptr, off_n + BN // 2, N, B_SCALE)
+            if B_SCALE != 0:  # rounded before the additions, as the Triton kernel's (no fused multiply-add)
+                h0 = _now(_col_scale(h0, b_scale_ptr, off_n, N, B_SCALE))
+                h1 = _now(_col_scale(h1, b_scale_ptr, off_n + BN // 2, N, B_SCALE))
             lo = c_buf.slice(0, BN // 2, dim=1)
             hi = c_buf.slice(BN // 2, BN // 2, dim=1)
             for step in gl.static_range(1, WORLD):  # the peers' partials in step order

@@ -16,7 +16,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
 # modules that run in one process on one GPU (the kernels alone)
-_ONE_GPU = ("test_kernels.py",)
+_ONE_GPU = ("test_kernels.py", "test_producer.py")
 
 
 def pytest_collection_modifyitems(config, items):
