@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asynctp.kernels.configs import Config, pick_config, split_parts
+from asynctp.kernels.configs import Config, gluon_fits, pick_config, split_parts
 from asynctp.kernels.triton_util import sm_count, triton_available
 
 __all__ = ["async_input_mm", "ChunkMap", "chunk_order"]
@@ -165,7 +165,7 @@ def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: b
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
     fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16 and b.stride(0) == 1 and b.shape[1] > 1
-           and cfg.stages * (bm + bn) * bk + bm * bn * 2 <= 227 * 1024 - 2048)  # (barriers, layout scratch)
+           and gluon_fits(cfg, 1))
     if not (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and chunk_rows % bm == 0
             and (bm, bn, cfg.warps) == (128, 256, 8) and _gluon_failed is None):
         return False

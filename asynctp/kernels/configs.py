@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Config", "split_parts", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
+__all__ = ["Config", "split_parts", "gluon_fits", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,14 @@ def split_parts(tiles: int, num_sms: int, k_tiles: int) -> int:
         return 1
     parts = min(num_sms // tail, 2, k_tiles // 4)
     return parts if parts >= 2 else 1
+
+
+def gluon_fits(cfg: Config, itemsize: int, out_itemsize: int = 2) -> bool:
+    """Whether a Gluon GEMM's ring (cfg.stages K-steps of a's and b's tiles) and its epilogue
+    buffer (one output tile) fit Hopper's 227 KiB of shared memory, less 2 KiB for barriers and
+    layout scratch."""
+    ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+    return ring + cfg.block_m * cfg.block_n * out_itemsize <= 227 * 1024 - 2048
 
 
 # Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from asynctp.kernels.configs import Config, pick_config
+from asynctp.kernels.configs import Config, gluon_fits, pick_config
 from asynctp.kernels.triton_util import sm_count
 
 __all__ = ["schedule", "producer_mm_reference", "launch_producer"]
@@ -80,12 +80,11 @@ def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: b
     """The Gluon kernel takes, on CUDA, 16-bit operands (out too) without scales, or fp8 e4m3 ones
     with b as weight.t() (wgmma reads fp8 K-major), any scales and bf16 or fp16 out, where its ring
     and epilogue buffer fit shared memory; 128x256 tiles on 8 warps."""
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
     fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype in (torch.bfloat16, torch.float16) and b.stride(0) == 1
-           and b.shape[1] > 1 and cfg.stages * (bm + bn) * bk + bm * bn * 2 <= 227 * 1024 - 2048)
-    return (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and (bm, bn, cfg.warps) == (128, 256, 8)
-            and _gluon_failed is None)
+           and b.shape[1] > 1 and gluon_fits(cfg, 1))
+    return (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and (cfg.block_m, cfg.block_n, cfg.warps) ==
+            (128, 256, 8) and _gluon_failed is None)
 
 
 def launch_producer(

@@ -159,6 +159,16 @@ def test_the_last_partial_wave_is_split_along_k(tiles, sms, k_tiles, parts):
 
 
 
+@pytest.mark.parametrize("stages,block_k,itemsize,fits", [(3, 128, 1, True), (4, 128, 1, False), (3, 64, 2, True),
+                                                         (4, 64, 2, False)])
+def test_gluon_ring_and_epilogue_buffer_fit_shared_memory(stages, block_k, itemsize, fits):
+    """128x256 tiles: 3 stages of fp8 128-deep or 16-bit 64-deep K-steps and a bf16 output tile fit
+    227 KiB (208 KiB), 4 do not (256 KiB)."""
+    from asynctp.kernels.configs import Config, gluon_fits
+
+    assert gluon_fits(Config(128, 256, block_k, stages=stages), itemsize) is fits
+
+
 def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
     """FastLaunch: a key's first launch goes through Triton, later ones through the compiled
     kernel's launcher; another alignment or value is another key; a launch hook, or a launcher
