@@ -15,6 +15,7 @@ import torch
 from asynctp.kernels import async_input_mm
 from asynctp.kernels.async_input_mm import ChunkMap, launch
 from asynctp.kernels.configs import Config
+from tests.cases_float8 import sqnr
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,11 +23,6 @@ FP8 = torch.float8_e4m3fn
 WHOLE = Config(128, 256, 64, split=False)  # the Triton kernel's last wave unsplit: the Gluon kernel's sums
 WHOLE8 = Config(128, 256, 128, split=False)  # fp8's
 aim = importlib.import_module("asynctp.kernels.async_input_mm")  # the module (the package exports the function)
-
-
-def _sqnr(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return float(10 * torch.log10(ref.pow(2).mean() / (x - ref).pow(2).mean().clamp_min(1e-30)))
 
 
 def _flags(n: int, value: int = 1) -> torch.Tensor:
@@ -69,7 +65,7 @@ def test_fp8_against_scaled_mm(mode):
         sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
     ref = torch._scaled_mm(a, w.t(), sa, sb, out_dtype=torch.bfloat16)
     out = async_input_mm(a, w.t(), _flags(4), 3, a_scale=sa, b_scale=sb, out_dtype=torch.bfloat16)
-    assert _sqnr(out, ref) >= 40
+    assert sqnr(ref, out) >= 40
 
 
 @pytest.mark.parametrize("cfg", [Config(128, 256, 64), Config(128, 128, 64, stages=4, warps=4),

@@ -10,15 +10,11 @@ import torch
 from asynctp.kernels import producer_mm
 from asynctp.kernels.configs import Config
 from asynctp.kernels.producer_mm import launch_producer, producer_mm_reference
+from tests.cases_float8 import sqnr
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FP8 = torch.float8_e4m3fn
-
-
-def _sqnr(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return float(10 * torch.log10(ref.pow(2).mean() / (x - ref).pow(2).mean().clamp_min(1e-30)))
 
 
 @pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
@@ -84,7 +80,7 @@ def test_producer_kernels_agree(operands):
         assert all(torch.equal(x, y) for x, y in zip(*got))
         if fp8:  # rank 1's peer block: rank 0's rows
             want = torch._scaled_mm(a[:m], b, sa[:m] if rowwise else sa, sb, out_dtype=torch.bfloat16)
-            assert _sqnr(got[0][0][0], want) >= 40
+            assert sqnr(want, got[0][0][0]) >= 40
 
 
 def test_producer_falls_back_to_triton(monkeypatch, capsys):
