@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asynctp.kernels.configs import Config, gluon_fits, pick_config, split_parts
+from asynctp.kernels.configs import Config, gluon_takes, pick_config, split_parts
 from asynctp.kernels.triton_util import sm_count, triton_available
 
 __all__ = ["async_input_mm", "ChunkMap", "chunk_order"]
@@ -158,19 +158,13 @@ SPLIT_WAVES = 6
 
 def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, chunk_rows: int,
                   cfg: Config, num_sms: int) -> bool:
-    """The Gluon kernel takes, on CUDA, 16-bit operands (out too) without scales, or fp8 e4m3 ones
-    with b as weight.t() (wgmma reads fp8 K-major), any scales and bf16 out, where its ring and
-    epilogue buffer fit shared memory; chunks of whole tiles, 128x256 tiles on 8 warps, where the
-    Triton kernel would not split a last wave of a short grid (SPLIT_WAVES)."""
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
-    fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16 and b.stride(0) == 1 and b.shape[1] > 1
-           and gluon_fits(cfg, 1))
-    if not (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and chunk_rows % bm == 0
-            and (bm, bn, cfg.warps) == (128, 256, 8) and _gluon_failed is None):
+    """The Gluon kernel takes the operands (configs.gluon_takes) in chunks of whole tiles, where it
+    has not failed to build and the Triton kernel would not split a last wave of a short grid
+    (SPLIT_WAVES)."""
+    if not (gluon_takes(a, b, out, scaled, cfg) and chunk_rows % cfg.block_m == 0 and _gluon_failed is None):
         return False
-    tiles = a.shape[0] // bm * -(-out.shape[1] // bn)
-    split = cfg.split and split_parts(tiles, num_sms, -(-a.shape[1] // bk)) > 1
+    tiles = a.shape[0] // cfg.block_m * -(-out.shape[1] // cfg.block_n)
+    split = cfg.split and split_parts(tiles, num_sms, -(-a.shape[1] // cfg.block_k)) > 1
     return not (split and tiles // num_sms < SPLIT_WAVES)
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Config", "split_parts", "gluon_fits", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
+__all__ = ["Config", "split_parts", "gluon_fits", "gluon_takes", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,18 @@ def gluon_fits(cfg: Config, itemsize: int, out_itemsize: int = 2) -> bool:
     layout scratch."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
     return ring + cfg.block_m * cfg.block_n * out_itemsize <= 227 * 1024 - 2048
+
+
+def gluon_takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, cfg: Config) -> bool:
+    """Whether the Gluon GEMMs take these operands with cfg: on CUDA, 16-bit ones (out too)
+    without scales, or fp8 e4m3 ones with b as nn.Linear's weight.t() (wgmma reads fp8 K-major),
+    any scales and bf16 out, where the ring and epilogue buffer fit shared memory; 128x256 tiles
+    on 8 warps."""
+    sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
+    fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16 and b.stride(0) == 1 and b.shape[1] > 1
+           and gluon_fits(cfg, 1))
+    return a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and (cfg.block_m, cfg.block_n, cfg.warps) == (
+        128, 256, 8)
 
 
 # Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer

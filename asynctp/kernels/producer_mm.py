@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from asynctp.kernels.configs import Config, gluon_fits, pick_config
+from asynctp.kernels.configs import Config, gluon_takes, pick_config
 from asynctp.kernels.triton_util import sm_count
 
 __all__ = ["schedule", "producer_mm_reference", "launch_producer"]
@@ -77,14 +77,8 @@ _gluon_failed: str | None = None  # why the Gluon kernel cannot run in this proc
 
 
 def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, cfg: Config) -> bool:
-    """The Gluon kernel takes, on CUDA, 16-bit operands (out too) without scales, or fp8 e4m3 ones
-    with b as weight.t() (wgmma reads fp8 K-major), any scales and bf16 or fp16 out, where its ring
-    and epilogue buffer fit shared memory; 128x256 tiles on 8 warps."""
-    sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
-    fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype in (torch.bfloat16, torch.float16) and b.stride(0) == 1
-           and b.shape[1] > 1 and gluon_fits(cfg, 1))
-    return (a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and (cfg.block_m, cfg.block_n, cfg.warps) ==
-            (128, 256, 8) and _gluon_failed is None)
+    """The Gluon kernel takes the operands (configs.gluon_takes) where it has not failed to build."""
+    return gluon_takes(a, b, out, scaled, cfg) and _gluon_failed is None
 
 
 def launch_producer(
