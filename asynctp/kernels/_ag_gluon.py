@@ -33,7 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _scale_mode, operands
 from asynctp.kernels._rs_gluon import (
-    _DTYPES, _GL_DTYPES, FP8, _async_global_fence, _col_scale, _finish_half, _load, _spin, _step, _tile,
+    _DTYPES, _GL_DTYPES, FP8, _async_global_fence, _buffers, _col_scale, _finish_half, _load, _spin, _step, _tile,
 )
 from asynctp.kernels.configs import Config
 from asynctp.kernels.triton_util import FastLaunch
@@ -95,12 +95,7 @@ def _ag_mm_kernel(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 256 // dtype.primitive_bitwidth])
 
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+    a_bufs, b_bufs, c_buf, ready = _buffers(a_desc, b_desc, c_desc, STAGES)
 
     pid = gl.program_id(0)
     num_pid_n = gl.cdiv(N, BN)

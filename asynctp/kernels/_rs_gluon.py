@@ -127,6 +127,19 @@ def _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, slot, row, loc, off_n, 
 
 
 @gluon.jit
+def _buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
+    """Shared memory of a Gluon GEMM: the load ring (STAGES tiles of a and b, one initialized
+    mbarrier each) and the one epilogue buffer (a c_desc tile)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    return a_bufs, b_bufs, c_buf, ready
+
+
+@gluon.jit
 def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc, b_desc,
           a_bufs, b_bufs, ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, LOCAL: gl.constexpr):
     """K-step `ki` of the tile (the program's `cons`-th): wait for its tiles, issue its wgmma, retire
@@ -200,14 +213,8 @@ def _rs_mm_kernel(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 256 // dtype.primitive_bitwidth])
 
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    # received in, results out
-    c_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_bufs, b_bufs, c_buf, ready = _buffers(a_desc, b_desc, out_desc, STAGES)  # c_buf: received in, results out
     recv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
     mbarrier.init(recv_bar, count=1)
 
     pid = gl.program_id(0)
