@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asynctp.bench.report import AUTO, AUTO_GRAPH, AUTO_PAIRED, MM_PAIRED, TORCH, TORCH_GRAPH, _README_COMMAND, _label, markdown
+from asynctp.bench.report import (
+    AUTO, AUTO_GRAPH, AUTO_PAIRED, MM_PAIRED, TORCH, TORCH_GRAPH, _README_COMMAND, _label, markdown,
+)
 
 __all__ = ["EFFICIENCY_TARGET", "target_efficiency", "target_notes", "write_readme", "regenerate"]
 
@@ -52,7 +54,8 @@ def target_notes(rows: list[dict[str, Any]]) -> list[str]:
         effs = ", ".join(f"{m}: {e:.2f}" for m, e in eff.items())
         met = all(e >= eff_target for e in eff.values())
         paired = " (paired with mm only)" if both else ""
-        notes.append(f"{'met' if met else 'NOT met'}: eager auto efficiency{paired} >= {eff_target} at seed M 4096/8192 ({effs})")
+        notes.append(f"{'met' if met else 'NOT met'}: eager auto efficiency{paired} >= {eff_target} "
+                     f"at seed M 4096/8192 ({effs})")
     seed = [r for r in ok if r["shape_set"] == "seed"]
     torch_best = [(r, min(v for k, v in r["times_us"].items() if k in (TORCH, TORCH_GRAPH) and v))
                   for r in seed if r["times_us"].get(TORCH)]

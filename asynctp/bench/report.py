@@ -115,7 +115,8 @@ def _cells(row: dict[str, Any], keys: list[str]) -> list[str]:
     eff = row["efficiency"]
     return [
         row["shape_set"], _label(row), *[_us(row["times_us"].get(k)) for k in keys],
-        _ratio(eff.get(AUTO)), _ratio(eff.get(AUTO_PAIRED)), _ratio(eff.get(AUTO_GRAPH)), _ratio(row.get("auto_vs_serial")),
+        _ratio(eff.get(AUTO)), _ratio(eff.get(AUTO_PAIRED)), _ratio(eff.get(AUTO_GRAPH)),
+        _ratio(row.get("auto_vs_serial")),
         (row.get("auto_strategy") or "-") + (" (tuned)" if row.get("tuned_strategy") else ""),
     ]
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "rounds_us", "capture_graph"]
+__all__ = ["synchronize", "align_ranks", "median_us", "max_over_ranks", "time_us", "isolated_us", "rounds_us",
+           "capture_graph"]
 
 
 def synchronize(device: torch.device) -> None:

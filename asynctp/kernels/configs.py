@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Config", "split_parts", "gluon_fits", "gluon_takes", "candidates", "pick_config", "remember", "load_tuned", "save_tuned", "tuned", "tune"]
+__all__ = ["Config", "split_parts", "gluon_fits", "gluon_takes", "candidates", "pick_config", "remember", "load_tuned",
+           "save_tuned", "tuned", "tune"]
 
 
 @dataclass(frozen=True)
