@@ -44,6 +44,9 @@ from trace_kernels import load_trace  # benchmarks/trace_kernels.py, beside this
 
 # (module, attribute path): the functions of a fused call's path whose host time is reported
 STAGES = [
+    ("asynctp.ops.repeat", "call"),
+    ("asynctp.ops.repeat", "_replay"),
+    ("asynctp.runtime.graphs", "GraphCache.replay_ready"),
     ("asynctp.ops.all_gather_matmul", "check_all_gather_matmul"),
     ("asynctp.ops.matmul_reduce_scatter", "check_matmul_reduce_scatter"),
     ("asynctp.ops.all_gather_matmul", "eager_call_ok"),
@@ -69,7 +72,7 @@ STAGES = [
     ("asynctp.ops.matmul_reduce_scatter", "execute"),
     ("asynctp.runtime.graphs", "GraphCache.call"),
     ("asynctp.runtime.graphs", "GraphCache._replay"),
-    ("asynctp.runtime.graphs", "_Entry.result"),
+    ("asynctp.runtime.keys", "Entry.result"),
     ("asynctp.symm.workspace", "Lanes.replay"),
     ("asynctp.symm.cuda", "CudaWorkspace.watch_replay"),
     ("asynctp.ops.all_gather_matmul", "_fused"),

@@ -542,12 +542,13 @@ def graph_replays() -> list[dict]:
             for x, y in zip(got, want):
                 assert torch.equal(x, y), (name, "a held output was overwritten")
         after = graphs.stats(workspace)
-        counts.append({k: after[k] - before[k] for k in ("eager", "captured", "replayed")})
+        counts.append({k: after[k] - before[k] for k in ("eager", "captured", "replayed", "replayed directly")})
         if round_ == 0 or rank != ws - 1:
             # per op: 1 eager call, 1 capture, then replays, and one more capture while call 3's
-            # outputs are held
+            # outputs are held; the replays of calls 2, 3 and 5 skip the op's checks and plan
             assert counts[-1]["replayed"] >= 3 * len(calls), counts[-1]
             assert counts[-1]["captured"] == 2 * len(calls), counts[-1]
+            assert counts[-1]["replayed directly"] == 3 * len(calls), counts[-1]
         else:
             assert counts[-1]["replayed"] == counts[-1]["captured"] == 0, counts[-1]
     return counts

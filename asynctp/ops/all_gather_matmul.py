@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from asynctp.ops import graphs, guard
+from asynctp.ops import graphs, guard, repeat
 from asynctp.ops.dispatch import execute
 from asynctp.runtime.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
@@ -50,6 +50,17 @@ def all_gather_matmul(
     the matmuls read each block where it landed).
     """
     pg = resolve_group(group)
+    try:
+        raw = ("all_gather_matmul", pg, tensor_key(a_shard), tuple(map(tensor_key, bs)), gather_dim, type(gather_dim),
+               return_a, type(return_a), None if biases is None else tuple(map(tensor_key, biases)), strategy)
+        tensors = (a_shard, *bs, *(biases or ()))
+    except (AttributeError, TypeError):  # not what the checks take: they name the argument
+        raw = tensors = None
+    return repeat.call(raw, tensors, lambda: _full(a_shard, bs, gather_dim, pg, return_a, biases, strategy))
+
+
+def _full(a_shard, bs, gather_dim, pg, return_a, biases, strategy):
+    """The call with its checks and plan (repeat.call runs it where it cannot replay directly)."""
     dim, bs, biases = check_all_gather_matmul(a_shard, bs, gather_dim, pg.size(), biases, strategy)
     if not isinstance(return_a, bool):
         raise TypeError(f"return_a requires a bool, got {type(return_a).__name__}")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from asynctp.ops import graphs, guard
+from asynctp.ops import graphs, guard, repeat
 from asynctp.ops.dispatch import execute
 from asynctp.runtime.graphs import tensor_key
 from asynctp.ops.layout import GatherLayout, gather_layout, matmul_rows
@@ -68,6 +68,20 @@ def all_gather_scaled_matmul(
     (send/recv, for groups without peer memory; a rowwise scale is all-gathered up front).
     """
     pg = resolve_group(group)
+    try:
+        raw = ("all_gather_scaled_matmul", pg, tensor_key(a_shard), tuple(map(tensor_key, bs)), tensor_key(a_scale),
+               tuple(map(tensor_key, b_scales)), gather_dim, type(gather_dim), out_dtype,
+               None if biases is None else tuple(map(tensor_key, biases)), use_fast_accum, type(use_fast_accum),
+               return_a, type(return_a), strategy)
+        tensors = (a_shard, a_scale, *bs, *b_scales, *(biases or ()))
+    except (AttributeError, TypeError):  # not what the checks take: they name the argument
+        raw = tensors = None
+    return repeat.call(raw, tensors, lambda: _full(
+        a_shard, bs, a_scale, b_scales, gather_dim, pg, out_dtype, biases, use_fast_accum, return_a, strategy))
+
+
+def _full(a_shard, bs, a_scale, b_scales, gather_dim, pg, out_dtype, biases, use_fast_accum, return_a, strategy):
+    """The call with its checks and plan (repeat.call runs it where it cannot replay directly)."""
     checked = check_all_gather_scaled_matmul(
         a_shard, bs, a_scale, b_scales, gather_dim, pg.size(), out_dtype, biases, use_fast_accum, return_a, strategy
     )

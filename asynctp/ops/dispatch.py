@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from asynctp.ops import repeat
 from asynctp.ops.plan import Plan
 from asynctp.runtime import graphs
 from asynctp.runtime.pipeline import SymmTransport
@@ -71,4 +72,11 @@ def execute(
             _calls[op, "fused: decomposed"] += 1
         return decomposed(transport)
 
-    return graphs.call(ws, op, key(), body)
+    note = repeat.claim()
+    if note is None or not graphs.usable(ws):
+        return graphs.call(ws, op, key(), body)
+    cache, graph_key = graphs.cache_of(ws), key()
+    result = cache.call(op, graph_key, body)
+    if cache.replayed is graph_key:  # the full call of an op that ops/repeat.py can replay directly next time
+        note.cache, note.key, note.op, note.counts, note.strategy = cache, graph_key, op, _calls, plan.strategy
+    return result

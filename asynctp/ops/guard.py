@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from asynctp.config import get_config
+from asynctp.ops import repeat
 from asynctp.ops.signature import FIELDS, NAMES
 from asynctp.symm import calls_of, resolve_group
 from asynctp.symm.rendezvous import exchange
@@ -48,8 +49,10 @@ def agreed(op: str) -> Callable[[Callable], Callable]:
                 args = (*args[:strategy_at], "serial", *args[strategy_at + 1 :])
             pg = resolve_group(group)
             if pg.size() == 1:
+                repeat.note_guard(op, None, names, values)
                 return fn(*args, **kwargs)
             calls = calls_of(pg, device.type)
+            repeat.note_guard(op, calls, names, values)
             calls.begin_call(op, names, values)
             try:
                 result = fn(*args, **kwargs)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from asynctp.ops import graphs, guard
+from asynctp.ops import graphs, guard, repeat
 from asynctp.ops.dispatch import execute
 from asynctp.ops.layout import ScatterLayout, matmul_rows, scatter_layout
 from asynctp.ops.plan import make_plan
@@ -49,6 +49,16 @@ def matmul_reduce_scatter(
     (each rank's partial pushed over the symmetric workspace while the next is computed).
     """
     pg = resolve_group(group)
+    try:
+        raw = ("matmul_reduce_scatter", pg, tensor_key(a), tensor_key(b), scatter_dim, type(scatter_dim), reduce_op,
+               tensor_key(bias), strategy)
+    except (AttributeError, TypeError):  # not what the checks take: they name the argument
+        raw = None
+    return repeat.call(raw, (a, b, bias), lambda: _full(a, b, scatter_dim, pg, reduce_op, bias, strategy))
+
+
+def _full(a, b, scatter_dim, pg, reduce_op, bias, strategy):
+    """The call with its checks and plan (repeat.call runs it where it cannot replay directly)."""
     dim = check_matmul_reduce_scatter(a, b, scatter_dim, pg.size(), reduce_op, bias, strategy)
     if eager_call_ok(a, b, bias):
         return _run_terms([a], [b], dim, pg, reduce_op, bias, strategy)

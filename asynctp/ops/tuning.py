@@ -20,7 +20,7 @@ import torch
 
 from asynctp.config import get_config
 
-__all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays", "forced_splits"]
+__all__ = ["cache_path", "pick", "record", "load", "plan_for", "ring_pays", "forced_splits", "epoch", "forget"]
 
 _MAX_SPLITS = 8  # the signal channels of the blocks must fit the workspace's flags
 _forced: int | None = None  # row blocks per rank chunk set by forced_splits (tests of multi-block plans)
@@ -31,6 +31,7 @@ _forced: int | None = None  # row blocks per rank chunk set by forced_splits (te
 _MIN_PIPELINE_FLOP = 2 * 2048 * 3584 * 8192
 _table: dict[str, str] | None = None
 _picked: dict[tuple, str] = {}  # pick() results, cleared when the table changes
+_epoch = 0  # plans made before a change of the table or of forced_splits differ from later ones
 
 
 def cache_path() -> Path:
@@ -75,9 +76,11 @@ def _key(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
 
 def record(op: str, world_size: int, device: torch.device, shape_key: tuple, strategy: str) -> None:
     """Remember the measured best strategy for a shape (written through to the cache file)."""
+    global _epoch
     key = _key(op, world_size, device, shape_key)
     load()[key] = strategy
     _picked.clear()
+    _epoch += 1
     path = cache_path()
     try:
         own = json.loads(path.read_text())
@@ -155,12 +158,27 @@ def plan_for(op: str, shape_key: tuple, world_size: int) -> tuple[int, bool]:
 def forced_splits(splits: int) -> Iterator[None]:
     """Within the block, every pipelined call cuts each rank chunk into `splits` row blocks
     (tests: multi-block plans must give the same exact results as the default's)."""
-    global _forced
+    global _forced, _epoch
     if not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"forced_splits requires 1 to {_MAX_SPLITS} row blocks, got {splits}")
     before, _forced = _forced, splits
+    _epoch += 1
     try:
         yield
     finally:
         _forced = before
+        _epoch += 1
+
+
+def epoch() -> int:
+    """Changes whenever a plan made now may differ from one made before (ops/repeat.py)."""
+    return _epoch
+
+
+def forget() -> None:
+    """Drop the loaded table (the next pick reads the shipped tables and the cache file again)."""
+    global _table, _epoch
+    _table = None
+    _picked.clear()
+    _epoch += 1
 

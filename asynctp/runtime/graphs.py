@@ -13,6 +13,9 @@ pool. Outputs are never overwritten while the caller holds them: a graph is repl
 tensor outside the cache shares its outputs' storage (torch's storage use count); otherwise another
 graph is captured for the key (up to MAX_PER_KEY), or the call runs eagerly.
 
+A public op's call equal to one that replayed replays directly, without the op's checks and plan
+(ops/repeat.py: ready, replay_ready).
+
 Safe across ranks: barriers and signals are the same flags, set and reset, whether eager or
 replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or captures. A workspace
 that grows drops its graphs; every rank grows at the same call.
@@ -57,7 +60,7 @@ import torch
 
 from asynctp.config import get_config, warn_once
 from asynctp.runtime.graph_memory import GraphMemory, cuda_capture, memory_of
-from asynctp.runtime.keys import flatten, strip, tensor_key, tensor_keys, unflatten
+from asynctp.runtime.keys import Entry, flatten, strip, tensor_key, tensor_keys
 from asynctp.runtime.lag import Lag
 from asynctp.runtime.moves import Moves
 
@@ -75,7 +78,6 @@ BUDGET_BUSY = 0.1  # auto: the graphs' memory budget holds where the GPU was beh
 _SEEN_KEYS = 512  # keys seen but not captured yet, least recent forgotten
 
 _REASONS = ("new key", "outputs held", "shape off", "gpu-bound", "memory")  # why calls ran eagerly (GraphCache)
-_use_count = torch._C._storage_Use_Count
 
 
 def mode() -> str:
@@ -93,37 +95,6 @@ def usable(ws: Any) -> bool:
             and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling())
 
 
-class _Entry:
-    """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
-
-    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born", "last", "gap", "nbytes")
-
-    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, shape: tuple = (),
-                 born: int = 0, gap: int = 0, nbytes: tuple[int, int] = (0, 0)) -> None:
-        self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
-        self.shape = shape  # its key without the addresses
-        self.nbytes = nbytes  # its key's bytes of inputs + outputs, of outputs
-        self.born = self.last = born  # calls through the cache before it was captured / last used
-        self.gap = gap  # the longest run of calls seen between two uses of its key: the key's period
-        # (StorageImpl pointer, its use count while only this entry holds it) per storage
-        seen: dict[int, int] = {}
-        for t in outs:
-            cdata = t.untyped_storage()._cdata
-            seen[cdata] = _use_count(cdata)
-        self.storages = list(seen.items())
-
-    def free(self) -> bool:
-        """No tensor outside this entry shares an output's storage: a replay may overwrite them."""
-        for cdata, baseline in self.storages:
-            if _use_count(cdata) > baseline:
-                return False
-        return True
-
-    def result(self) -> Any:
-        # new tensors (not views: no _base) on the outputs' storages, raising their use counts
-        return unflatten([t.detach() for t in self.outs], self.spec)
-
-
 class GraphCache:
     """The captured calls of one workspace (see the module docstring). It holds the workspace
     weakly: the caches are kept per workspace, and a workspace's goes when it is collected."""
@@ -136,7 +107,7 @@ class GraphCache:
         self._donors: list[Callable[[], None]] = []  # dropped graphs (their replay), whose pools the next captures take
         self.lag = lag or Lag()
         self._generation = ws.generation
-        self._entries: OrderedDict[tuple, list[_Entry]] = OrderedDict()
+        self._entries: OrderedDict[tuple, list[Entry]] = OrderedDict()
         # key -> ((bytes of its inputs + first outputs, of the outputs), its sightings in a row on an
         # idle GPU (auto), the call of its last sighting)
         self._seen: OrderedDict[tuple, tuple[tuple[int, int], int, int]] = OrderedDict()
@@ -147,6 +118,9 @@ class GraphCache:
         self._idle: dict[tuple, int] = {}  # gpu-bound key -> sightings in a row on an idle GPU since
         self._stream: torch.cuda.Stream | None = None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+        self.replayed: tuple | None = None  # the key of the last call, where its result came from a graph
+        self.direct = 0  # replays of ops/repeat.py (replay_ready: the op's checks and plan skipped)
+        self.closed = False  # its workspace was closed (asynctp.reset): it takes no more calls
         # why calls ran eagerly: "new key" (inputs at addresses not seen lately), "outputs held" (every
         # graph of the key has outputs the caller holds, and the key has MAX_PER_KEY), "shape off" (too
         # many graphs of the shape wasted, or its capture failed), "gpu-bound" (auto: the GPU ran behind
@@ -224,7 +198,7 @@ class GraphCache:
             self._entries.move_to_end(key)
             for entry in entries:
                 if entry.free():
-                    return self._replay(op, entry)
+                    return self._replay(op, key, entry)
         elif auto and self._behind.get(key, 0) >= DECIDE_SIGHTINGS:
             self._behind.move_to_end(key)
             # decided gpu-bound; the GPU idle at DECIDE_SIGHTINGS sightings in a row (the calls
@@ -299,7 +273,7 @@ class GraphCache:
         del result
         # its key's period: since its last sighting, or (another graph for held outputs) its first graph's
         gap = entries[0].gap if entries else self._calls - sighted
-        entry = _Entry(replay, outs, spec, shape, born=self._calls, gap=gap, nbytes=nbytes)
+        entry = Entry(replay, outs, spec, shape, born=self._calls, gap=gap, nbytes=nbytes)
         self._entries.setdefault(key, []).append(entry)
         self._entries.move_to_end(key)
         self.counts["captured"] += 1
@@ -308,7 +282,23 @@ class GraphCache:
             self._retire(old.pop(0))
             if not old:
                 del self._entries[oldest]
-        return self._replay(op, entry, captured=True)
+        return self._replay(op, key, entry, captured=True)
+
+    def ready(self, key: tuple) -> Entry | None:
+        """A graph of `key` a call may replay now (outputs free, workspace generation current), or None."""
+        ws = self.ws
+        if self.closed or ws is None or ws.generation != self._generation:
+            return None
+        return next((entry for entry in self._entries.get(key, ()) if entry.free()), None)
+
+    def replay_ready(self, op: str, key: tuple, entry: Entry) -> Any:
+        """A call of `key` replayed from `entry` (ready(key) just returned it), counted as call() would."""
+        self._calls += 1
+        self.direct += 1
+        if mode() == "auto":
+            self.lag.mark()
+        self._entries.move_to_end(key)
+        return self._replay(op, key, entry)
 
     def _sweep(self) -> None:
         """Drop the graphs whose key has not come back for twice its period (+ the graphs held + 4
@@ -321,7 +311,7 @@ class GraphCache:
             if not entries:
                 del self._entries[key]
 
-    def _retire(self, entry: _Entry) -> None:
+    def _retire(self, entry: Entry) -> None:
         """A dropped graph: it lends its pool to a later capture (the last MAX_DONORS dropped); replayed
         fewer than PAYBACK_REPLAYS times, it counts as wasted for its shape (WASTED_PER_SHAPE)."""
         if entry.replays < PAYBACK_REPLAYS:
@@ -333,9 +323,11 @@ class GraphCache:
     def _eager(self, body: Callable[[], Any], reason: str) -> Any:
         self.eager_reasons[reason] += 1
         self.counts["eager"] += 1
-        return body()
+        result = body()
+        self.replayed = None  # (after the body: a call inside it may have replayed)
+        return result
 
-    def _replay(self, op: str, entry: _Entry, captured: bool = False) -> Any:
+    def _replay(self, op: str, key: tuple, entry: Entry, captured: bool = False) -> Any:
         ws = self.ws
         if ws.lanes.is_cuda:
             ws.lanes.replay(entry.replay)  # ordered after the previous op on ws, as Lanes.fork orders ops
@@ -347,6 +339,7 @@ class GraphCache:
             entry.replays += 1
             entry.gap, entry.last = max(entry.gap, self._calls - entry.last), self._calls
             self.counts["replayed"] += 1
+        self.replayed = key
         return entry.result()
 
 
@@ -363,7 +356,9 @@ def cache_of(ws: Any) -> GraphCache:
 
 def _forget(ws: Any) -> None:
     """A closed workspace's graphs go with it (asynctp.reset releases their memory at once)."""
-    _caches_by_ws.pop(ws, None)
+    cache = _caches_by_ws.pop(ws, None)
+    if cache is not None:
+        cache.closed = True
 
 
 def call(ws: Any, op: str, key: tuple, body: Callable[[], Any]) -> Any:
@@ -386,13 +381,16 @@ def clear(ws: Any | None = None) -> None:
 
 def stats(ws: Any | None = None) -> dict[str, int]:
     """Calls run eagerly / captured / replayed through the graph cache of ws (or of every
-    workspace this process made), the graphs held, and the eager calls by reason ("eager: new
+    workspace this process made), of the replays those whose op's checks and plan were skipped
+    ("replayed directly": ops/repeat.py), the graphs held, and the eager calls by reason ("eager: new
     key", "eager: outputs held", "eager: shape off", "eager: gpu-bound", "eager: memory"; see
     GraphCache), and the new keys' inputs at new addresses ("moved: <op> tensor <i>",
     runtime/moves.py)."""
-    total = dict.fromkeys(["eager", "captured", "replayed", "graphs"] + [f"eager: {r}" for r in _REASONS], 0)
+    total = dict.fromkeys(["eager", "captured", "replayed", "replayed directly", "graphs"] +
+                          [f"eager: {r}" for r in _REASONS], 0)
     for cache in _caches(ws):
-        for k, v in {**cache.counts, "graphs": cache._count(), **{f"eager: {r}": n for r, n in cache.eager_reasons.items()},
+        for k, v in {**cache.counts, "replayed directly": cache.direct, "graphs": cache._count(),
+                     **{f"eager: {r}": n for r, n in cache.eager_reasons.items()},
                      **{f"moved: {m}": n for m, n in cache.moves.summary().items()}}.items():
             total[k] = total.get(k, 0) + v
     return total

@@ -1,13 +1,16 @@
 """Graph-cache keys and results (runtime/graphs.py): what of a call a captured graph depends on,
-and an op's result as a flat list of tensors."""
+an op's result as a flat list of tensors, and a captured call (Entry)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["tensor_key", "tensor_keys", "strip", "flatten", "unflatten"]
+__all__ = ["tensor_key", "tensor_keys", "strip", "flatten", "unflatten", "Entry"]
+
+_use_count = torch._C._storage_Use_Count
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -50,3 +53,34 @@ def flatten(result: Any) -> tuple[list[torch.Tensor], Any]:
 
 def unflatten(tensors: list[torch.Tensor], spec: Any) -> Any:
     return tensors[0] if spec is None else ((tensors[0], tensors[1:]) if spec else (None, tensors))
+
+
+class Entry:
+    """One captured call: its graph (or, in tests, any replay callable) and its outputs."""
+
+    __slots__ = ("replay", "outs", "spec", "storages", "replays", "shape", "born", "last", "gap", "nbytes")
+
+    def __init__(self, replay: Callable[[], None], outs: list[torch.Tensor], spec: Any, shape: tuple = (),
+                 born: int = 0, gap: int = 0, nbytes: tuple[int, int] = (0, 0)) -> None:
+        self.replay, self.outs, self.spec, self.replays = replay, outs, spec, 0
+        self.shape = shape  # its key without the addresses
+        self.nbytes = nbytes  # its key's bytes of inputs + outputs, of outputs
+        self.born = self.last = born  # calls through the cache before it was captured / last used
+        self.gap = gap  # the longest run of calls seen between two uses of its key: the key's period
+        # (StorageImpl pointer, its use count while only this entry holds it) per storage
+        seen: dict[int, int] = {}
+        for t in outs:
+            cdata = t.untyped_storage()._cdata
+            seen[cdata] = _use_count(cdata)
+        self.storages = list(seen.items())
+
+    def free(self) -> bool:
+        """No tensor outside this entry shares an output's storage: a replay may overwrite them."""
+        for cdata, baseline in self.storages:
+            if _use_count(cdata) > baseline:
+                return False
+        return True
+
+    def result(self) -> Any:
+        # new tensors (not views: no _base) on the outputs' storages, raising their use counts
+        return unflatten([t.detach() for t in self.outs], self.spec)

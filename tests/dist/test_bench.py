@@ -30,8 +30,7 @@ def _use_cache(path: str) -> None:
     import asynctp
 
     asynctp.configure(tuning_cache=path)
-    tuning._table = None  # forget any cache loaded from another path by an earlier test
-    getattr(tuning, "_picked", {}).clear()
+    tuning.forget()  # any cache loaded from another path by an earlier test
 
 
 def bench_all_ops(cache: str) -> list[dict]:

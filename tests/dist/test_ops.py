@@ -3,7 +3,7 @@ reference (atol=0), aliasing, bad input, opcheck, and a long run of random calls
 
 import pytest
 
-from tests import cases
+from tests import cases, cases_repeat
 
 DEVICE = "cpu"
 
@@ -103,3 +103,12 @@ def test_world_size_4(pool4, strategy):
 def test_fused_without_the_gemm_runs_the_decomposition_and_is_counted(pool):
     counts = pool.run(cases.fused_on_cpu_counted_as_decomposed, DEVICE)
     assert counts == [{"all_gather_matmul fused": 1, "all_gather_matmul fused: decomposed": 1}] * pool.world_size
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "auto"])
+def test_repeat_calls_replay_directly(pool, strategy):
+    """A call equal to one that replayed from the graph cache replays without the op's checks and
+    plan (asynctp/ops/repeat.py; a stand-in capture on CPU), exact, and falls back to the full
+    call wherever that could differ."""
+    counts = pool.run(cases_repeat.repeat_calls, DEVICE, strategy)
+    assert counts[0]["replayed directly"] == 3 * 4 and counts[0]["captured"] == 2 * 4, counts

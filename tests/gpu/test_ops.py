@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests import cases
+from tests import cases, cases_repeat
 
 DEVICE = "cuda"
 
@@ -63,6 +63,14 @@ def test_group_without_workspace_warns_and_uses_the_ring(pool):
 
 def test_low_contention_collectives(pool):
     assert pool.run(cases.low_contention_collectives, DEVICE)[0] == 10
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "fused"])
+def test_repeat_calls_replay_directly(pool, strategy):
+    """A call equal to one that replayed from a CUDA graph replays without the op's checks and plan
+    (asynctp/ops/repeat.py), exact, and falls back to the full call wherever that could differ."""
+    counts = pool.run(cases_repeat.repeat_calls, DEVICE, strategy)
+    assert counts[0]["replayed directly"] == 3 * 4 and counts[0]["captured"] == 2 * 4, counts
 
 
 def test_pipelined_calls_replayed_from_cuda_graphs(pool):

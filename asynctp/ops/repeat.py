@@ -1,0 +1,154 @@
+"""Repeat calls: a public op's call that equals one of its recent calls replayed from the graph
+cache replays again without its front matter.
+
+Why: host time. A call replayed from asynctp's graph cache (runtime/graphs.py) still validated
+its arguments, resolved its plan, built its graph key and set up its transport before the replay;
+on 2xH100 (stage timers, fused all-gather at M 4096, isolated calls) that front matter took more
+host time than the replay itself (docs/performance.md).
+
+How: each public op keys its call by everything its checks, plan and graph key read: the
+resolved process group, every tensor argument's tensor_key (address, shape, strides, dtype) and
+the scalars (call()'s `raw`). A call whose raw key was last seen replaying goes straight to the
+graph cache's replay of the same graph key (GraphCache.ready / replay_ready), opened and closed
+on its group as the full call would be (Calls.begin_call: numbering, out-of-step refusal,
+agreement) and counted by dispatch.calls(). It falls back to the full call (which remembers it
+again where it replays) unless all of these hold:
+
+  - the settings, the tuning table and the batch-major layout are those it was remembered under
+    (any configure(), tuning.record() or forced_splits() forgets it);
+  - eager_call_ok: plain tensors, no autograd to record, no tracing or dispatch mode;
+  - the graph cache is usable (runtime/graphs.usable: not inside a CUDA-graph capture or under
+    torch.compile's tracing);
+  - the graph cache holds a graph of the key whose outputs the caller does not hold, in the
+    workspace generation it was captured in, and the workspace is open.
+
+Inputs whose contents change between calls are read anew by every replay, as on the full path.
+A call whose checks fail never replays, so it is never remembered: it raises on every call.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from asynctp.config import get_config
+from asynctp.ops import layout, tuning
+from asynctp.ops.strategy import eager_call_ok
+from asynctp.runtime import graphs
+
+__all__ = ["call", "note_guard", "claim", "MAX_CALLS"]
+
+MAX_CALLS = 256  # raw keys remembered; all are forgotten when more come (a loop's calls come back)
+
+_MISS = object()
+_memo: dict[tuple, _Hit] = {}
+_local = threading.local()  # .note: the _Note of the innermost full call in progress on this thread
+
+
+class _Hit:
+    __slots__ = ("cache", "key", "op", "counts", "strategy", "guard_op", "calls", "names", "values", "config",
+                 "batch_major", "epoch")
+
+
+class _Note:
+    """What a full call learns on its way for its raw key: its group's calls and agreed fields
+    (guard.agreed), its strategy and the graph it replayed (dispatch.execute)."""
+
+    __slots__ = ("guarded", "guard_op", "calls", "names", "values", "claimed", "cache", "key", "op", "counts",
+                 "strategy")
+
+    def __init__(self) -> None:
+        self.guarded = self.claimed = False
+        self.guard_op = self.calls = self.names = self.values = None
+        self.cache = self.key = self.op = self.counts = self.strategy = None
+
+
+def call(raw: tuple | None, tensors: tuple | None, full: Callable[[], Any]) -> Any:
+    """full()'s result, replayed without its front matter where raw (the op, the resolved group,
+    tensor_key() of every tensor argument, the scalars) was last seen replaying; `tensors`: every
+    tensor argument. raw None (arguments the op's checks refuse): full() only."""
+    if raw is None:
+        return full()
+    try:
+        hit = _memo.get(raw)
+    except TypeError:  # an unhashable scalar: the checks refuse it
+        return full()
+    if hit is not None:
+        result = _replay(hit, tensors)
+        if result is not _MISS:
+            return result
+    note, outer = _Note(), getattr(_local, "note", None)
+    _local.note = note
+    try:
+        result = full()
+    finally:
+        _local.note = outer
+    if note.key is not None and note.guarded:
+        _remember(raw, note)
+    return result
+
+
+def note_guard(op: str, calls: Any, names: tuple, values: tuple) -> None:
+    """guard.agreed's wrapper: the call of `op` was opened on `calls` with these fields (calls
+    None: a group of one, not opened). The outermost agreed call of a full call is the one noted."""
+    note = getattr(_local, "note", None)
+    if note is not None and not note.guarded:
+        note.guarded, note.guard_op, note.calls, note.names, note.values = True, op, calls, names, values
+
+
+def claim() -> _Note | None:
+    """dispatch.execute: the note of the full call this execute serves (the first to claim it),
+    to mark the graph it replayed: note.cache, note.key, note.op, and its call counter
+    note.counts[note.op, note.strategy]."""
+    note = getattr(_local, "note", None)
+    if note is None or note.claimed:
+        return None
+    note.claimed = True
+    return note
+
+
+def forget() -> None:
+    _memo.clear()
+
+
+def _remember(raw: tuple, note: _Note) -> None:
+    config = get_config()
+    if config.check_finite:  # its preflight reads the inputs at every call
+        return
+    cache = note.cache
+    if note.calls is not None and note.calls is not cache.ws:
+        return  # opened before the group had its workspace: the full call numbers the next one
+    if len(_memo) >= MAX_CALLS:
+        _memo.clear()
+    hit = _Hit()
+    hit.cache, hit.key, hit.op = weakref.ref(cache), note.key, note.op
+    hit.counts, hit.strategy = note.counts, note.strategy
+    hit.guard_op, hit.calls, hit.names, hit.values = note.guard_op, note.calls, note.names, note.values
+    hit.config, hit.batch_major, hit.epoch = config, layout.BATCH_MAJOR, tuning.epoch()
+    _memo[raw] = hit
+
+
+def _replay(hit: _Hit, tensors: tuple) -> Any:
+    if hit.config is not get_config() or hit.batch_major != layout.BATCH_MAJOR or hit.epoch != tuning.epoch():
+        return _MISS
+    cache = hit.cache()
+    if cache is None or not eager_call_ok(*tensors) or not graphs.usable(cache.ws):
+        return _MISS
+    entry = cache.ready(hit.key)
+    if entry is None:
+        return _MISS
+    calls = hit.calls
+    if calls is not None:
+        calls.begin_call(hit.guard_op, hit.names, hit.values)
+    try:
+        result = cache.replay_ready(hit.op, hit.key, entry)
+    except BaseException as exc:
+        if calls is not None:
+            calls.end_call(exc)
+        raise
+    if calls is not None:
+        calls.end_call()
+    hit.counts[hit.op, hit.strategy] += 1
+    return result
