@@ -50,13 +50,12 @@ def all_gather_matmul(
     the matmuls read each block where it landed).
     """
     pg = resolve_group(group)
-    try:
-        raw = ("all_gather_matmul", pg, tensor_key(a_shard), tuple(map(tensor_key, bs)), gather_dim, type(gather_dim),
-               return_a, type(return_a), None if biases is None else tuple(map(tensor_key, biases)), strategy)
-        tensors = (a_shard, *bs, *(biases or ()))
-    except (AttributeError, TypeError):  # not what the checks take: they name the argument
-        raw = tensors = None
-    return repeat.call(raw, tensors, lambda: _full(a_shard, bs, gather_dim, pg, return_a, biases, strategy))
+    return repeat.call(
+        lambda: (("all_gather_matmul", pg, tensor_key(a_shard), tuple(map(tensor_key, bs)), gather_dim,
+                  type(gather_dim), return_a, type(return_a), None if biases is None else tuple(map(tensor_key, biases)),
+                  strategy),
+                 (a_shard, *bs, *(biases or ()))),
+        lambda: _full(a_shard, bs, gather_dim, pg, return_a, biases, strategy))
 
 
 def _full(a_shard, bs, gather_dim, pg, return_a, biases, strategy):

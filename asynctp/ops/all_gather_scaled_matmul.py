@@ -68,16 +68,14 @@ def all_gather_scaled_matmul(
     (send/recv, for groups without peer memory; a rowwise scale is all-gathered up front).
     """
     pg = resolve_group(group)
-    try:
-        raw = ("all_gather_scaled_matmul", pg, tensor_key(a_shard), tuple(map(tensor_key, bs)), tensor_key(a_scale),
-               tuple(map(tensor_key, b_scales)), gather_dim, type(gather_dim), out_dtype,
-               None if biases is None else tuple(map(tensor_key, biases)), use_fast_accum, type(use_fast_accum),
-               return_a, type(return_a), strategy)
-        tensors = (a_shard, a_scale, *bs, *b_scales, *(biases or ()))
-    except (AttributeError, TypeError):  # not what the checks take: they name the argument
-        raw = tensors = None
-    return repeat.call(raw, tensors, lambda: _full(
-        a_shard, bs, a_scale, b_scales, gather_dim, pg, out_dtype, biases, use_fast_accum, return_a, strategy))
+    return repeat.call(
+        lambda: (("all_gather_scaled_matmul", pg, tensor_key(a_shard), tuple(map(tensor_key, bs)), tensor_key(a_scale),
+                  tuple(map(tensor_key, b_scales)), gather_dim, type(gather_dim), out_dtype,
+                  None if biases is None else tuple(map(tensor_key, biases)), use_fast_accum, type(use_fast_accum),
+                  return_a, type(return_a), strategy),
+                 (a_shard, a_scale, *bs, *b_scales, *(biases or ()))),
+        lambda: _full(a_shard, bs, a_scale, b_scales, gather_dim, pg, out_dtype, biases, use_fast_accum, return_a,
+                      strategy))
 
 
 def _full(a_shard, bs, a_scale, b_scales, gather_dim, pg, out_dtype, biases, use_fast_accum, return_a, strategy):

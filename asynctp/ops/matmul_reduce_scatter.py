@@ -49,12 +49,10 @@ def matmul_reduce_scatter(
     (each rank's partial pushed over the symmetric workspace while the next is computed).
     """
     pg = resolve_group(group)
-    try:
-        raw = ("matmul_reduce_scatter", pg, tensor_key(a), tensor_key(b), scatter_dim, type(scatter_dim), reduce_op,
-               tensor_key(bias), strategy)
-    except (AttributeError, TypeError):  # not what the checks take: they name the argument
-        raw = None
-    return repeat.call(raw, (a, b, bias), lambda: _full(a, b, scatter_dim, pg, reduce_op, bias, strategy))
+    return repeat.call(
+        lambda: (("matmul_reduce_scatter", pg, tensor_key(a), tensor_key(b), scatter_dim, type(scatter_dim), reduce_op,
+                  tensor_key(bias), strategy), (a, b, bias)),
+        lambda: _full(a, b, scatter_dim, pg, reduce_op, bias, strategy))
 
 
 def _full(a, b, scatter_dim, pg, reduce_op, bias, strategy):

@@ -61,14 +61,11 @@ def scaled_matmul_reduce_scatter(
     (send/recv of running sums, for groups without peer memory).
     """
     pg = resolve_group(group)
-    try:
-        raw = ("scaled_matmul_reduce_scatter", pg, tensor_key(a), tensor_key(b), tensor_key(a_scale), tensor_key(b_scale),
-               scatter_dim, type(scatter_dim), out_dtype, tensor_key(bias), reduce_op, use_fast_accum,
-               type(use_fast_accum), strategy)
-    except (AttributeError, TypeError):  # not what the checks take: they name the argument
-        raw = None
-    return repeat.call(raw, (a, b, a_scale, b_scale, bias), lambda: _full(
-        a, b, a_scale, b_scale, scatter_dim, pg, out_dtype, bias, reduce_op, use_fast_accum, strategy))
+    return repeat.call(
+        lambda: (("scaled_matmul_reduce_scatter", pg, tensor_key(a), tensor_key(b), tensor_key(a_scale),
+                  tensor_key(b_scale), scatter_dim, type(scatter_dim), out_dtype, tensor_key(bias), reduce_op,
+                  use_fast_accum, type(use_fast_accum), strategy), (a, b, a_scale, b_scale, bias)),
+        lambda: _full(a, b, a_scale, b_scale, scatter_dim, pg, out_dtype, bias, reduce_op, use_fast_accum, strategy))
 
 
 def _full(a, b, a_scale, b_scale, scatter_dim, pg, out_dtype, bias, reduce_op, use_fast_accum, strategy):
