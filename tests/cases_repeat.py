@@ -86,7 +86,8 @@ def repeat_calls(device: str, strategy: str) -> dict:
     from the third call on, the calls replay directly, but where the caller holds the outputs of
     every graph of the key (then the full call captures another). Then what must not replay
     directly: a call under other settings, or another plan (forced_splits), or arguments the checks
-    refuse (they raise, on every call). Returns the graph cache's count changes."""
+    refuse (they raise, on every call), or after asynctp.reset (a new workspace). Returns the graph
+    cache's count changes."""
     calls, refresh = _calls(device)
     workspace = asynctp.get_workspace(dist.group.WORLD, device)
     with _graphs_on(device):
@@ -136,4 +137,14 @@ def repeat_calls(device: str, strategy: str) -> dict:
             call(strategy)
             call(strategy)
             assert graphs.stats(workspace)["replayed directly"] == direct + 3, (name, "after refused calls")
+
+        asynctp.reset(dist.group.WORLD)  # the workspace closed, its graphs with it: full calls on a new one
+        for round_ in range(2):  # (the new workspace may grow at an op's first call, dropping every graph)
+            for name, call in calls.items():
+                for i in range(3):
+                    _same(call(strategy), call("serial"), (name, "after reset", round_, i))
+        for name, call in calls.items():  # each call captured at the workspace's final size by now
+            direct = graphs.stats()["replayed directly"]
+            _same(call(strategy), call("serial"), (name, "after reset"))
+            assert graphs.stats()["replayed directly"] == direct + 1, (name, "after reset")
     return counts

@@ -51,7 +51,7 @@ _local = threading.local()  # .note: the _Note of the innermost full call in pro
 
 
 class _Hit:
-    __slots__ = ("cache", "key", "op", "counts", "strategy", "guard_op", "calls", "names", "values", "config",
+    __slots__ = ("cache", "key", "op", "counts", "strategy", "guard_op", "opened", "names", "values", "config",
                  "batch_major", "epoch")
 
 
@@ -127,7 +127,9 @@ def _remember(raw: tuple, note: _Note) -> None:
     hit = _Hit()
     hit.cache, hit.key, hit.op = weakref.ref(cache), note.key, note.op
     hit.counts, hit.strategy = note.counts, note.strategy
-    hit.guard_op, hit.calls, hit.names, hit.values = note.guard_op, note.calls, note.names, note.values
+    # opened on the workspace (read through the cache's weak reference at each replay: the memo
+    # keeps no workspace alive), or a group of one (not opened)
+    hit.guard_op, hit.opened, hit.names, hit.values = note.guard_op, note.calls is not None, note.names, note.values
     hit.config, hit.batch_major, hit.epoch = config, layout.BATCH_MAJOR, tuning.epoch()
     _memo[raw] = hit
 
@@ -141,7 +143,7 @@ def _replay(hit: _Hit, tensors: tuple) -> Any:
     entry = cache.ready(hit.key)
     if entry is None:
         return _MISS
-    calls = hit.calls
+    calls = cache.ws if hit.opened else None
     if calls is not None:
         calls.begin_call(hit.guard_op, hit.names, hit.values)
     try:

@@ -578,3 +578,29 @@ def test_lag_busy_is_the_recent_share_of_marks_at_which_the_gpu_was_behind():
             lag.gpu_done()
         lag.mark()
     assert abs(lag.busy - 0.5) < 0.02
+
+
+def test_ready_offers_a_graph_only_where_call_would_replay_it():
+    """ready(key) (ops/repeat.py's direct replays) gives the graph call() would replay: none for an
+    unknown key, while the caller holds its outputs, after the workspace's buffers were replaced
+    (generation), or once the workspace was closed; replay_ready counts the replay as call() does."""
+    cache, x, w = make_cache(), torch.ones(2, 3), torch.eye(3)
+    key = ("op", graphs.tensor_key(x), graphs.tensor_key(w))
+    assert cache.ready(key) is None
+    op(cache, x, w)
+    op(cache, x, w)  # captured
+    entry = cache.ready(key)
+    assert entry is not None and cache.ready(("op", None)) is None
+    x.fill_(3)
+    gathered, (out,) = cache.replay_ready("op", key, entry)
+    assert torch.equal(out, torch.full((4, 3), 3.0)) and cache.replayed is key
+    assert cache.counts == {"eager": 1, "captured": 1, "replayed": 1} and cache.direct == 1
+    assert cache.ready(key) is None  # the caller holds the outputs
+    del gathered, out
+    assert cache.ready(key) is entry
+    cache.ws.generation += 1  # the buffers replaced: the graph reads freed memory
+    assert cache.ready(key) is None
+    cache.ws.generation -= 1
+    assert cache.ready(key) is entry
+    cache.closed = True
+    assert cache.ready(key) is None
