@@ -72,11 +72,9 @@ def execute(
             _calls[op, "fused: decomposed"] += 1
         return decomposed(transport)
 
-    note = repeat.claim()
-    if note is None or not graphs.usable(ws):
-        return graphs.call(ws, op, key(), body)
-    cache, graph_key = graphs.cache_of(ws), key()
-    result = cache.call(op, graph_key, body)
-    if cache.replayed is graph_key:  # the full call of an op that ops/repeat.py can replay directly next time
+    note, graph_key = repeat.claim(), key()  # (claimed before the body: an op it calls has its own)
+    result = graphs.call(ws, op, graph_key, body)
+    cache = graphs.replayed(ws, graph_key) if note is not None else None
+    if cache is not None:  # ops/repeat.py may replay the op's next equal call directly
         note.cache, note.key, note.op, note.counts, note.strategy = cache, graph_key, op, _calls, plan.strategy
     return result

@@ -46,24 +46,21 @@ __all__ = ["call", "note_guard", "claim", "MAX_CALLS"]
 MAX_CALLS = 256  # raw keys remembered; all are forgotten when more come (a loop's calls come back)
 
 _MISS = object()
-_memo: dict[tuple, _Hit] = {}
-_local = threading.local()  # .note: the _Note of the innermost full call in progress on this thread
+_memo: dict[tuple, _Call] = {}
+_local = threading.local()  # .note: the _Call of the innermost full call in progress on this thread
 
 
-class _Hit:
-    __slots__ = ("cache", "key", "op", "counts", "strategy", "guard_op", "opened", "names", "values", "config",
-                 "batch_major", "epoch")
+class _Call:
+    """What a full call learns on its way (its group's agreed fields from guard.agreed; the graph
+    it replayed, its op and strategy from dispatch.execute), and, once remembered, the state it
+    holds for (settings, tuning epoch, batch-major layout). Remembered, it keeps its cache and
+    workspace weakly (`calls` dropped; `opened`: begun on the workspace, not a group of one)."""
 
-
-class _Note:
-    """What a full call learns on its way for its raw key: its group's calls and agreed fields
-    (guard.agreed), its strategy and the graph it replayed (dispatch.execute)."""
-
-    __slots__ = ("guarded", "guard_op", "calls", "names", "values", "claimed", "cache", "key", "op", "counts",
-                 "strategy")
+    __slots__ = ("guard_op", "calls", "opened", "names", "values", "claimed", "cache", "key", "op", "counts",
+                 "strategy", "config", "batch_major", "epoch")
 
     def __init__(self) -> None:
-        self.guarded = self.claimed = False
+        self.claimed = False
         self.guard_op = self.calls = self.names = self.values = None
         self.cache = self.key = self.op = self.counts = self.strategy = None
 
@@ -85,13 +82,13 @@ def call(describe: Callable[[], tuple[tuple, tuple]], full: Callable[[], Any]) -
         result = _replay(hit, tensors)
         if result is not _MISS:
             return result
-    note, outer = _Note(), getattr(_local, "note", None)
+    note, outer = _Call(), getattr(_local, "note", None)
     _local.note = note
     try:
         result = full()
     finally:
         _local.note = outer
-    if note.key is not None and note.guarded:
+    if note.key is not None and note.names is not None:  # replayed, and opened as an agreed call
         _remember(raw, note)
     return result
 
@@ -100,11 +97,11 @@ def note_guard(op: str, calls: Any, names: tuple, values: tuple) -> None:
     """guard.agreed's wrapper: the call of `op` was opened on `calls` with these fields (calls
     None: a group of one, not opened). The outermost agreed call of a full call is the one noted."""
     note = getattr(_local, "note", None)
-    if note is not None and not note.guarded:
-        note.guarded, note.guard_op, note.calls, note.names, note.values = True, op, calls, names, values
+    if note is not None and note.names is None:
+        note.guard_op, note.calls, note.names, note.values = op, calls, names, values
 
 
-def claim() -> _Note | None:
+def claim() -> _Call | None:
     """dispatch.execute: the note of the full call this execute serves (the first to claim it),
     to mark the graph it replayed: note.cache, note.key, note.op, and its call counter
     note.counts[note.op, note.strategy]."""
@@ -115,26 +112,20 @@ def claim() -> _Note | None:
     return note
 
 
-def _remember(raw: tuple, note: _Note) -> None:
+def _remember(raw: tuple, note: _Call) -> None:
     config = get_config()
     if config.check_finite:  # its preflight reads the inputs at every call
         return
-    cache = note.cache
-    if note.calls is not None and note.calls is not cache.ws:
+    if note.calls is not None and note.calls is not note.cache.ws:
         return  # opened before the group had its workspace: the full call numbers the next one
     if len(_memo) >= MAX_CALLS:
         _memo.clear()
-    hit = _Hit()
-    hit.cache, hit.key, hit.op = weakref.ref(cache), note.key, note.op
-    hit.counts, hit.strategy = note.counts, note.strategy
-    # opened on the workspace (read through the cache's weak reference at each replay: the memo
-    # keeps no workspace alive), or a group of one (not opened)
-    hit.guard_op, hit.opened, hit.names, hit.values = note.guard_op, note.calls is not None, note.names, note.values
-    hit.config, hit.batch_major, hit.epoch = config, layout.BATCH_MAJOR, tuning.epoch()
-    _memo[raw] = hit
+    note.cache, note.opened, note.calls = weakref.ref(note.cache), note.calls is not None, None
+    note.config, note.batch_major, note.epoch = config, layout.BATCH_MAJOR, tuning.epoch()
+    _memo[raw] = note
 
 
-def _replay(hit: _Hit, tensors: tuple) -> Any:
+def _replay(hit: _Call, tensors: tuple) -> Any:
     if hit.config is not get_config() or hit.batch_major != layout.BATCH_MAJOR or hit.epoch != tuning.epoch():
         return _MISS
     cache = hit.cache()

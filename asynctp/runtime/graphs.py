@@ -64,7 +64,7 @@ from asynctp.runtime.keys import Entry, flatten, strip, tensor_key, tensor_keys
 from asynctp.runtime.lag import Lag
 from asynctp.runtime.moves import Moves
 
-__all__ = ["mode", "enabled", "usable", "tensor_key", "call", "clear", "stats", "GraphCache"]
+__all__ = ["mode", "enabled", "usable", "tensor_key", "call", "replayed", "clear", "stats", "GraphCache"]
 
 MAX_GRAPHS = 64  # per workspace
 DECIDE_SIGHTINGS = 3  # sightings found behind before a key runs eagerly for good (auto)
@@ -189,16 +189,16 @@ class GraphCache:
         if ws.generation != self._generation:  # the buffers (and flags) were replaced
             self.clear()
             self._generation = ws.generation
+        entry = self.ready(key)
+        if entry is not None:
+            return self.replay_ready(op, key, entry, direct=False)
         self._calls += 1
         auto = mode() == "auto"
         if auto:
             self.lag.mark()
-        entries = self._entries.get(key)
+        entries = self._entries.get(key)  # (every graph of it holds outputs the caller holds)
         if entries is not None:
             self._entries.move_to_end(key)
-            for entry in entries:
-                if entry.free():
-                    return self._replay(op, key, entry)
         elif auto and self._behind.get(key, 0) >= DECIDE_SIGHTINGS:
             self._behind.move_to_end(key)
             # decided gpu-bound; the GPU idle at DECIDE_SIGHTINGS sightings in a row (the calls
@@ -291,10 +291,11 @@ class GraphCache:
             return None
         return next((entry for entry in self._entries.get(key, ()) if entry.free()), None)
 
-    def replay_ready(self, op: str, key: tuple, entry: Entry) -> Any:
-        """A call of `key` replayed from `entry` (ready(key) just returned it), counted as call() would."""
+    def replay_ready(self, op: str, key: tuple, entry: Entry, direct: bool = True) -> Any:
+        """A call of `key` replayed from `entry` (ready(key) just returned it); direct: by
+        ops/repeat.py, without the op's checks and plan."""
         self._calls += 1
-        self.direct += 1
+        self.direct += direct
         if mode() == "auto":
             self.lag.mark()
         self._entries.move_to_end(key)
@@ -367,6 +368,13 @@ def call(ws: Any, op: str, key: tuple, body: Callable[[], Any]) -> Any:
     if not usable(ws):
         return body()
     return cache_of(ws).call(op, key, body)
+
+
+def replayed(ws: Any, key: tuple) -> GraphCache | None:
+    """ws's graph cache where the last call through it was `key`'s (this very object) and came
+    from a graph (ops/repeat.py remembers such calls), else None."""
+    cache = _caches_by_ws.get(ws)
+    return cache if cache is not None and cache.replayed is key else None
 
 
 def _caches(ws: Any | None) -> list[GraphCache]:
