@@ -13,8 +13,7 @@ pool. Outputs are never overwritten while the caller holds them: a graph is repl
 tensor outside the cache shares its outputs' storage (torch's storage use count); otherwise another
 graph is captured for the key (up to MAX_PER_KEY), or the call runs eagerly.
 
-A public op's call equal to one that replayed replays directly, without the op's checks and plan
-(ops/repeat.py: ready, replay_ready).
+A public op's call equal to one that replayed replays directly, without its checks (ops/repeat.py).
 
 Safe across ranks: barriers and signals are the same flags, set and reset, whether eager or
 replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or captures. A workspace
@@ -292,8 +291,7 @@ class GraphCache:
         return next((entry for entry in self._entries.get(key, ()) if entry.free()), None)
 
     def replay_ready(self, op: str, key: tuple, entry: Entry, direct: bool = True) -> Any:
-        """A call of `key` replayed from `entry` (ready(key) just returned it); direct: by
-        ops/repeat.py, without the op's checks and plan."""
+        """A call of `key` replayed from `entry` (just from ready(key)); direct: by ops/repeat.py."""
         self._calls += 1
         self.direct += direct
         if mode() == "auto":
@@ -371,8 +369,7 @@ def call(ws: Any, op: str, key: tuple, body: Callable[[], Any]) -> Any:
 
 
 def replayed(ws: Any, key: tuple) -> GraphCache | None:
-    """ws's graph cache where the last call through it was `key`'s (this very object) and came
-    from a graph (ops/repeat.py remembers such calls), else None."""
+    """ws's graph cache if its last call, of this very `key` object, came from a graph; else None."""
     cache = _caches_by_ws.get(ws)
     return cache if cache is not None and cache.replayed is key else None
 
