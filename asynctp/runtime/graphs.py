@@ -285,8 +285,7 @@ class GraphCache:
 
     def ready(self, key: tuple) -> Entry | None:
         """A graph of `key` a call may replay now (outputs free, workspace generation current), or None."""
-        ws = self.ws
-        if self.closed or ws is None or ws.generation != self._generation:
+        if self.closed or (ws := self.ws) is None or ws.generation != self._generation:
             return None
         return next((entry for entry in self._entries.get(key, ()) if entry.free()), None)
 
