@@ -138,8 +138,10 @@ def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False):
     return run
 
 
-def bench_producer(label, m, n, k, fp8, world=2, blocks=2) -> dict:
-    """The reduce-scatter producer, every flag set (own blocks never wait): against one GEMM."""
+def bench_producer(label, m, n, k, fp8, world=2, blocks=2, configs=None, rounds=3) -> list[dict]:
+    """The reduce-scatter producer, every flag set (own blocks never wait), for each config (None:
+    the picked one), against one GEMM; timed in interleaved rounds. Each timed call re-arms the flags
+    and zeroes the counters first (two small kernels); `reset_us` is their time alone."""
     a, b, sa, sb = _operands(m, n, k, fp8)
     shard = m // world
     out = torch.empty(shard, n, device="cuda", dtype=torch.bfloat16)
@@ -149,25 +151,40 @@ def bench_producer(label, m, n, k, fp8, world=2, blocks=2) -> dict:
     counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
     full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
-    def run():
+    def reset():
         flags.fill_(1)
         counters.zero_()
-        launch_producer(a, b, partials, received, out, 0, world, blocks, (shard, shard // blocks), flags,
-                        (1, world), counters, a_scale=sa, b_scale=sb)
 
-    ref_fn = ((lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)) if fp8
-              else (lambda: torch.mm(a, b, out=full)))
-    row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16", "blocks": blocks,
-           "cublas_us": _time(ref_fn)}
+    def run(cfg):
+        reset()
+        return launch_producer(a, b, partials, received, out, 0, world, blocks, (shard, shard // blocks), flags,
+                               (1, world), counters, a_scale=sa, b_scale=sb, config=cfg)[1]
+
+    timed = {"cublas_us": ((lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)) if fp8
+                           else (lambda: torch.mm(a, b, out=full))), "reset_us": reset}
     if fp8:
-        row["cublas_fast_accum_us"] = _time(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,
-                                                                     use_fast_accum=True))
-    try:
-        row["producer_us"] = _time(run)
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(json.dumps(row), flush=True)
-    return row
+        timed["cublas_fast_accum_us"] = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,
+                                                                 use_fast_accum=True)
+    rows = []
+    for i, cfg in enumerate(configs or [None]):
+        row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16", "blocks": blocks}
+        try:
+            row["config"] = run(cfg).__dict__.copy()
+            timed[i] = lambda cfg=cfg: run(cfg)
+        except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+    samples = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, fn in timed.items():
+            samples[key].append(_time(fn))
+    med = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    for i, row in enumerate(rows):
+        row.update({key: us for key, us in med.items() if isinstance(key, str)})
+        if i in med:
+            row["producer_us"] = med[i]
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def probe_local_copy(nbytes: int = 64 << 20) -> dict:
@@ -221,6 +238,8 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf][:ns] to time instead "
                         "of the table's")
     parser.add_argument("--no-producer", action="store_true")
+    parser.add_argument("--producer-only", action="store_true", help="only the reduce-scatter producer (--configs: "
+                        "each of them)")
     parser.add_argument("--probe-copy", action="store_true", help="also probe_local_copy()")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -234,9 +253,10 @@ def main(argv=None) -> None:
             if args.shapes not in label:
                 continue
             picked = [c for c in configs or [] if (c.block_k == 128) == fp8]  # the table's fp8 tiles have BK 128
-            result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick, configs=picked or None)
+            if not args.producer_only:
+                result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick, configs=picked or None)
             if not args.no_producer and ("RS" in label or "w2" in label):
-                result["producer"].append(bench_producer(label, m, n, k, fp8))
+                result["producer"] += bench_producer(label, m, n, k, fp8, configs=picked or None)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'fast':>7} {'nowait':>7} {'waits':>7} "
@@ -255,8 +275,10 @@ def main(argv=None) -> None:
         print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['cublas_us']:7.1f} {fast:7.1f} {r['no_wait_us']:7.1f} "
               f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r.get('fused_ag_in_place_us', float('nan')):8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
     for r in result["producer"]:
-        print(f"producer {r['shape']:20} {r['dtype']:12} cublas {r['cublas_us']:.1f} "
-              f"(fast accumulation {r.get('cublas_fast_accum_us', float('nan')):.1f}) "
+        c = r.get("config") or {}
+        tag = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}:{c.get('stages')}"
+        print(f"producer {r['shape']:20} {r['dtype']:12} {tag:18} cublas {r['cublas_us']:.1f} "
+              f"(fast accumulation {r.get('cublas_fast_accum_us', float('nan')):.1f}) reset {r['reset_us']:.1f} "
               f"producer {r.get('producer_us', float('nan')):.1f} {r.get('error', '')[:80]}")
 
 
