@@ -1,7 +1,8 @@
 """A Gluon (Hopper) version of _ag_kernel's _ag_mm_kernel (imported on CUDA only: it needs Triton >= 3.6).
 
-Same tiles, tile order, chunk map, waits, resets and sums as _ag_kernel's kernel with split=False
-(bit-equal outputs); the difference is the pipeline, written out by hand as in _rs_gluon:
+Same tiles, chunk map, waits, resets and sums as _ag_kernel's kernel with split=False (bit-equal
+outputs); the differences are the tile order (every other sweep over the n-tiles backwards:
+_rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
 - TMA loads into STAGES ring buffers (one mbarrier each) and async wgmma with one in flight; the
   load counter runs on across tiles, so the next tile's first STAGES - 1 K-steps are in flight
   while this tile's last K-steps and epilogue run -- where the next tile needs no wait (its

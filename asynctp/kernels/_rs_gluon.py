@@ -73,7 +73,8 @@ def _now(x):
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
-# _spin and _tile restate _ag_kernel's: a Gluon function cannot call a @triton.jit one
+# _spin and _tile restate _ag_kernel's (a Gluon function cannot call a @triton.jit one); _tile reverses every
+# other sweep
 @gluon.jit
 def _spin(flag_ptr):
     """Wait until the flag is non-zero (acquire, system scope: a peer's stream write sets it)."""
@@ -84,7 +85,9 @@ def _spin(flag_ptr):
 
 @gluon.jit
 def _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M: gl.constexpr):
-    """(group, m-tile within the group, n-tile) of logical tile t: grouped order within a group."""
+    """(group, m-tile within the group, n-tile) of logical tile t: grouped order within a group,
+    every other sweep of GROUP_M rows over the n-tiles backwards, so that it starts on the b tiles
+    the sweep before ended on, still in L2 (_ag_kernel's _tile sweeps forwards only)."""
     g = t // tiles_per_group
     u = t - g * tiles_per_group
     in_group = GROUP_M * num_pid_n
@@ -92,6 +95,8 @@ def _tile(t, tiles_per_group, tm, num_pid_n, GROUP_M: gl.constexpr):
     gsize = gl.minimum(tm - first_m, GROUP_M)
     pm = first_m + (u % in_group) % gsize
     pn = (u % in_group) // gsize
+    sweep = g * gl.cdiv(tm, GROUP_M) + u // in_group  # the sweeps in the order the grid runs them
+    pn = gl.where(sweep % 2 == 1, num_pid_n - 1 - pn, pn)
     return g, pm, pn
 
 
