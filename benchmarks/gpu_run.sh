@@ -17,7 +17,9 @@ export ASYNCTP_TUNING_CACHE=$W/$TUNING ASYNCTP_TIMEOUT=${ASYNCTP_TIMEOUT:-120}
 PYT="python3 -m pytest -q -rf -p no:cacheprovider --timeout=${TEST_LIMIT:-150}"
 # the archive is rewritten as each step ends: a run cut off by its limit still returns what
 # finished (one file: the device returns a limited number of files)
-step() { local limit=$1 name=$2; shift 2; echo "== $name"; timeout -s ABRT -k 15 "$limit" "$@" > "$W/$name.log" 2>&1; echo "   rc=$? ($name)"; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; tar czf $OUT/run.tgz --exclude="*trace_*.json.gz" -C $W . ; }
+# the run's exit status: 1 where any step failed (or ran past its limit), so that a caller sees it
+failed=0
+step() { local limit=$1 name=$2 rc; shift 2; echo "== $name"; timeout -s ABRT -k 15 "$limit" "$@" > "$W/$name.log" 2>&1; rc=$?; echo "   rc=$rc ($name)"; [ $rc -eq 0 ] || failed=1; grep -v -i "warn\|return func" "$W/$name.log" | tail -${TAILN:-8}; tar czf $OUT/run.tgz --exclude="*trace_*.json.gz" -C $W . ; }
 for s in ${STEPS:-kernels ops bench}; do
   case $s in
     kernels) step 260 test_kernels $PYT tests/gpu/test_kernels.py tests/gpu/test_producer.py ;;
@@ -54,3 +56,4 @@ for s in ${STEPS:-kernels ops bench}; do
   esac
 done
 ls -la $OUT
+exit $failed
