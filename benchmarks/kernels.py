@@ -222,11 +222,13 @@ def probe_local_copy(nbytes: int = 64 << 20) -> dict:
 
 
 def _config(spec: str) -> Config:
-    """BMxBNxBK:stages:warps[:nf][:ns] -> Config (nf: tile loop not flattened; ns: last wave not split)."""
+    """BMxBNxBK:stages:warps[:nf][:ns][:gN] -> Config (nf: tile loop not flattened; ns: last wave not split;
+    gN: N m-tiles per group of the tile order)."""
     parts = spec.split(":")
     bm, bn, bk = map(int, parts[0].split("x"))
+    group = [int(p[1:]) for p in parts[3:] if p.startswith("g")]
     return Config(bm, bn, bk, stages=int(parts[1]), warps=int(parts[2]), flatten="nf" not in parts[3:],
-                  split="ns" not in parts[3:])
+                  split="ns" not in parts[3:], **({"group_m": group[0]} if group else {}))
 
 
 def main(argv=None) -> None:
@@ -235,8 +237,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="the default config only")
     parser.add_argument("--shapes", default="", help="only shapes whose label contains this")
     parser.add_argument("--dtypes", default="bf16,fp8", help="bf16, fp8 or both")
-    parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf][:ns] to time instead "
-                        "of the table's")
+    parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf][:ns][:gN] to time "
+                        "instead of the table's")
     parser.add_argument("--no-producer", action="store_true")
     parser.add_argument("--producer-only", action="store_true", help="only the reduce-scatter producer (--configs: "
                         "each of them)")
@@ -267,7 +269,8 @@ def main(argv=None) -> None:
             break
     for r in result["gemm"]:
         c = r["config"]
-        tag = f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}{'' if c['split'] else 'ns'}"
+        tag = (f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}{'' if c['split'] else 'ns'}"
+               f"{'' if c['group_m'] == 8 else 'g' + str(c['group_m'])}")
         if "error" in r:
             print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['error'][:60]}")
             continue
@@ -276,7 +279,7 @@ def main(argv=None) -> None:
               f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r.get('fused_ag_in_place_us', float('nan')):8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
     for r in result["producer"]:
         c = r.get("config") or {}
-        tag = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}:{c.get('stages')}"
+        tag = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}:{c.get('stages')}:g{c.get('group_m')}"
         print(f"producer {r['shape']:20} {r['dtype']:12} {tag:18} cublas {r['cublas_us']:.1f} "
               f"(fast accumulation {r.get('cublas_fast_accum_us', float('nan')):.1f}) reset {r['reset_us']:.1f} "
               f"producer {r.get('producer_us', float('nan')):.1f} {r.get('error', '')[:80]}")
