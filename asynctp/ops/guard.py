@@ -53,14 +53,7 @@ def agreed(op: str) -> Callable[[Callable], Callable]:
                 return fn(*args, **kwargs)
             calls = calls_of(pg, device.type)
             repeat.note_guard(op, calls, names, values)
-            calls.begin_call(op, names, values)
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                calls.end_call(exc)
-                raise
-            calls.end_call()
-            return result
+            return calls.run(op, names, values, lambda: fn(*args, **kwargs))
 
         return call
 

@@ -134,16 +134,9 @@ def _replay(hit: _Call, tensors: tuple) -> Any:
     entry = cache.ready(hit.key)
     if entry is None:
         return _MISS
-    calls = cache.ws if hit.opened else None
-    if calls is not None:
-        calls.begin_call(hit.guard_op, hit.names, hit.values)
-    try:
+    if hit.opened:
+        result = cache.ws.run(hit.guard_op, hit.names, hit.values, lambda: cache.replay_ready(hit.op, hit.key, entry))
+    else:
         result = cache.replay_ready(hit.op, hit.key, entry)
-    except BaseException as exc:
-        if calls is not None:
-            calls.end_call(exc)
-        raise
-    if calls is not None:
-        calls.end_call()
     hit.counts[hit.op, hit.strategy] += 1
     return result

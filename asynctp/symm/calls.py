@@ -7,8 +7,10 @@ groups without one (their ring carries the signature; serial calls are not compa
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 import zlib
 from datetime import timedelta
+from typing import Any
 
 from asynctp.config import get_config
 from asynctp.symm.errors import OutOfStepError, PeerTimeoutError
@@ -74,6 +76,17 @@ class Calls:
                 raise
         else:
             self.signature = UNCHECKED
+
+    def run(self, op: str, names: tuple[str, ...], values: tuple, fn: Callable[[], Any]) -> Any:
+        """fn() inside a call opened by begin_call and closed by end_call (with fn's exception, if any)."""
+        self.begin_call(op, names, values)
+        try:
+            result = fn()
+        except BaseException as exc:
+            self.end_call(exc)
+            raise
+        self.end_call()
+        return result
 
     def in_call(self) -> bool:
         """Whether this thread is inside a call begun on this group."""
