@@ -60,22 +60,36 @@ def _operands(m, n, k, fp8):
     return a, torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t(), None, None
 
 
+def _cublas(a, b, sa, sb, out) -> dict[str, object]:
+    """cuBLAS's GEMM of the operands into out, by the name of its time: fp8 also with fast accumulation
+    (the fp8 recipes' setting, asynctp.float8, hence the ops' benchmark bound; the kernels' sm_90 fp8 dot
+    accumulates as it does: Triton's default max_num_imprecise_acc there)."""
+    if sa is None:
+        return {"cublas_us": lambda: torch.mm(a, b, out=out)}
+    return {"cublas_us": lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16),
+            "cublas_fast_accum_us": lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,
+                                                             use_fast_accum=True)}
+
+
+def _rounds(timed: dict, rounds: int) -> dict:
+    """Each function's median time (us) over `rounds` interleaved rounds: clocks drift over a run, and
+    interleaving keeps that out of the ratios."""
+    samples = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, fn in timed.items():
+            samples[key].append(_time(fn))
+    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+
+
 def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=3) -> list[dict]:
-    """Every config's variants and cuBLAS, timed in `rounds` interleaved rounds (the median of
-    each kept): clocks drift over a run, and interleaving keeps that out of the ratios."""
+    """Every config's variants and cuBLAS, timed in `rounds` interleaved rounds (_rounds)."""
     a, b, sa, sb = _operands(m, n, k, fp8)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    if fp8:
-        ref_fn = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
-    else:
-        ref_fn = lambda: torch.mm(a, b, out=out)  # noqa: E731
-    ref = ref_fn().clone()
+    refs = _cublas(a, b, sa, sb, out)
+    ref = refs["cublas_us"]().clone()
     flags = torch.ones(world * 4, dtype=torch.int32, device="cuda")
     cands = configs or (candidates(a.dtype)[:1] if quick else candidates(a.dtype))
-    rows, timed = [], {("ref", -1): ref_fn}
-    if fp8:  # the fp8 recipes' setting (asynctp.float8), hence the ops' benchmark bound; the kernels' sm_90 fp8
-        # dot accumulates as it does (Triton's default max_num_imprecise_acc there)
-        timed[("ref_fast", -1)] = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+    rows, timed = [], {(name, -1): fn for name, fn in refs.items()}
     for i, cfg in enumerate(cands):
         row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16",
                "config": cfg.__dict__.copy()}
@@ -102,18 +116,13 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             timed = {key: fn for key, fn in timed.items() if key[1] != i}
-    samples = {key: [] for key in timed}
-    for _ in range(rounds):
-        for key, fn in timed.items():
-            samples[key].append(_time(fn))
-    med = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    med = _rounds(timed, rounds)
+    for row in rows:
+        row.update({name: us for (name, i), us in med.items() if i < 0})
     for (name, i), us in med.items():
         if i >= 0:
             rows[i][name] = us
     for row in rows:
-        row["cublas_us"] = med[("ref", -1)]
-        if ("ref_fast", -1) in med:
-            row["cublas_fast_accum_us"] = med[("ref_fast", -1)]
         print(json.dumps(row), flush=True)
     return rows
 
@@ -160,11 +169,7 @@ def bench_producer(label, m, n, k, fp8, world=2, blocks=2, configs=None, rounds=
         return launch_producer(a, b, partials, received, out, 0, world, blocks, (shard, shard // blocks), flags,
                                (1, world), counters, a_scale=sa, b_scale=sb, config=cfg)[1]
 
-    timed = {"cublas_us": ((lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)) if fp8
-                           else (lambda: torch.mm(a, b, out=full))), "reset_us": reset}
-    if fp8:
-        timed["cublas_fast_accum_us"] = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,
-                                                                 use_fast_accum=True)
+    timed = {**_cublas(a, b, sa, sb, full), "reset_us": reset}
     rows = []
     for i, cfg in enumerate(configs or [None]):
         row = {"shape": label, "m": m, "n": n, "k": k, "dtype": "fp8 rowwise" if fp8 else "bf16", "blocks": blocks}
@@ -174,11 +179,7 @@ def bench_producer(label, m, n, k, fp8, world=2, blocks=2, configs=None, rounds=
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
-    samples = {key: [] for key in timed}
-    for _ in range(rounds):
-        for key, fn in timed.items():
-            samples[key].append(_time(fn))
-    med = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    med = _rounds(timed, rounds)
     for i, row in enumerate(rows):
         row.update({key: us for key, us in med.items() if isinstance(key, str)})
         if i in med:
