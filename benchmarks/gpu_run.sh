@@ -51,8 +51,10 @@ for s in ${STEPS:-kernels ops bench}; do
     train) step ${TRAIN_LIMIT:-540} train_bench python3 benchmarks/train_bench.py --out $R/train_bench ${TRAIN_ARGS:-} ;;
     titan) step ${TITAN_LIMIT:-590} torchtitan env STEPS=${TITAN_STEPS:-20} WARMUP=${TITAN_WARMUP:-8} LIMIT=${TITAN_RUN_LIMIT:-135} \
              bash benchmarks/torchtitan_bench.sh $R/torchtitan ;;  # carry .torchtitan_kit
-    bench) for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
-             step ${BENCH_LIMIT:-200} bench_${op}_${SHAPES:-seed} python3 -m asynctp.cli bench --op $op --shapes ${SHAPES:-seed} --tune --hardware ${HW:-2xGPU} --out $R; done ;;
+    # SHAPES may name several sets ("seed llama8b"): one step per op and set, all in one archive
+    bench) for set in ${SHAPES:-seed}; do for op in ${OPS:-all_gather_matmul matmul_reduce_scatter}; do
+             step ${BENCH_LIMIT:-200} bench_${op}_$set python3 -m asynctp.cli bench --op $op --shapes $set --tune \
+               --hardware ${HW:-2xGPU} --out $R; done; done ;;
   esac
 done
 ls -la $OUT
