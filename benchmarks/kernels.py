@@ -232,6 +232,12 @@ def _config(spec: str) -> Config:
                   split="ns" not in parts[3:], **({"group_m": group[0]} if group else {}))
 
 
+def _tag(c: dict) -> str:
+    """A config (Config.__dict__) in --configs' spec format."""
+    return (f"{c['block_m']}x{c['block_n']}x{c['block_k']}:{c['stages']}:{c['warps']}{'' if c['flatten'] else ':nf'}"
+            f"{'' if c['split'] else ':ns'}:g{c['group_m']}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -239,7 +245,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="", help="only shapes whose label contains this")
     parser.add_argument("--dtypes", default="bf16,fp8", help="bf16, fp8 or both")
     parser.add_argument("--configs", default="", help="comma-separated BMxBNxBK:stages:warps[:nf][:ns][:gN] to time "
-                        "instead of the table's")
+                        "instead of the table's (with both dtypes: BK 128 for fp8, the others for bf16)")
     parser.add_argument("--no-producer", action="store_true")
     parser.add_argument("--producer-only", action="store_true", help="only the reduce-scatter producer (--configs: "
                         "each of them)")
@@ -251,37 +257,36 @@ def main(argv=None) -> None:
     if args.probe_copy:
         result["local_copy"] = probe_local_copy()
     configs = [_config(c) for c in args.configs.split(",") if c] or None
-    for fp8 in [d == "fp8" for d in args.dtypes.split(",")]:
+    dtypes = args.dtypes.split(",")
+    for fp8 in [d == "fp8" for d in dtypes]:
+        # one dtype: every config; both: the table's fp8 tiles have BK 128
+        picked = [c for c in configs or [] if len(dtypes) == 1 or (c.block_k == 128) == fp8]
         for label, m, n, k in SHAPES:
             if args.shapes not in label:
                 continue
-            picked = [c for c in configs or [] if (c.block_k == 128) == fp8]  # the table's fp8 tiles have BK 128
             if not args.producer_only:
                 result["gemm"] += bench_shape(label, m, n, k, fp8, quick=args.quick, configs=picked or None)
             if not args.no_producer and ("RS" in label or "w2" in label):
                 result["producer"] += bench_producer(label, m, n, k, fp8, configs=picked or None)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'shape':20} {'dtype':12} {'config':14} {'cublas':>7} {'fast':>7} {'nowait':>7} {'waits':>7} "
+    print(f"{'shape':20} {'dtype':12} {'config':24} {'cublas':>7} {'fast':>7} {'nowait':>7} {'waits':>7} "
           f"{'fusedAG':>8} {'inplace':>8} ratio")
     for r in result["gemm"]:
         if "launch_host_us" in r:
             print(f"host us per launch: {r['launch_host_us']:.1f}")
             break
     for r in result["gemm"]:
-        c = r["config"]
-        tag = (f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'' if c['flatten'] else 'nf'}{'' if c['split'] else 'ns'}"
-               f"{'' if c['group_m'] == 8 else 'g' + str(c['group_m'])}")
+        tag = _tag(r["config"])
         if "error" in r:
-            print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['error'][:60]}")
+            print(f"{r['shape']:20} {r['dtype']:12} {tag:24} {r['error'][:60]}")
             continue
         fast = r.get("cublas_fast_accum_us", float("nan"))
-        print(f"{r['shape']:20} {r['dtype']:12} {tag:14} {r['cublas_us']:7.1f} {fast:7.1f} {r['no_wait_us']:7.1f} "
+        print(f"{r['shape']:20} {r['dtype']:12} {tag:24} {r['cublas_us']:7.1f} {fast:7.1f} {r['no_wait_us']:7.1f} "
               f"{r['waits_us']:7.1f} {r['fused_ag_us']:8.1f} {r.get('fused_ag_in_place_us', float('nan')):8.1f} {r['cublas_us'] / r['waits_us']:.3f}")
     for r in result["producer"]:
-        c = r.get("config") or {}
-        tag = f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}:{c.get('stages')}:g{c.get('group_m')}"
-        print(f"producer {r['shape']:20} {r['dtype']:12} {tag:18} cublas {r['cublas_us']:.1f} "
+        tag = _tag(r["config"]) if "config" in r else "-"
+        print(f"producer {r['shape']:20} {r['dtype']:12} {tag:24} cublas {r['cublas_us']:.1f} "
               f"(fast accumulation {r.get('cublas_fast_accum_us', float('nan')):.1f}) reset {r['reset_us']:.1f} "
               f"producer {r.get('producer_us', float('nan')):.1f} {r.get('error', '')[:80]}")
 
