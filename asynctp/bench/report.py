@@ -139,13 +139,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         table = [_header(keys)] + [_cells(r, keys) for r in op_rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)).rstrip() for line in table]
-        blocks.append(f"{op} ({op_rows[0]['dtype']}, {op_rows[0]['hardware']}, times in us)\n" + "\n".join(lines))
+        blocks.append(f"{op} ({_dtype_words(op_rows[0])}, {op_rows[0]['hardware']}, times in us)\n" + "\n".join(lines))
     return "\n\n".join(blocks)
 
 
 def progress_line(row: dict[str, Any]) -> str:
     """One line per finished row while the run goes on."""
-    head = f"{row['op']} {row['shape_set']} {_label(row)} {row['dtype']}"
+    head = f"{row['op']} {row['shape_set']} {_label(row)} {_dtype_words(row)}"
     if row.get("error"):
         return f"FAILED {head}: {row['error']}"
     t = row["times_us"]

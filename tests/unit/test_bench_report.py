@@ -81,6 +81,14 @@ def test_tables_show_times_efficiency_and_failures():
     assert "FAILED all_gather_matmul seed 8192x3584x8192" in report.progress_line(bad)
 
 
+def test_fp8_ops_name_their_inputs_in_the_terminal():
+    row = _row(op="all_gather_scaled_matmul_tensorwise")
+    words = "float8_e4m3fn inputs, bfloat16 output"
+    assert f"all_gather_scaled_matmul_tensorwise ({words}, 2xH200, times in us)" in report.format_table([row])
+    assert report.progress_line(row).startswith(f"all_gather_scaled_matmul_tensorwise seed 4096x3584x8192 {words}: auto")
+    assert f"{words}" in report.markdown([row])
+
+
 def test_merge_replaces_rows_measured_again():
     old = [_row(m=2048), _row(m=4096)]
     new = [_row(m=4096, serial=1.0), _row(m=256, shape_set="small")]
