@@ -2,7 +2,7 @@
 stages of a call timed without a profiler (--stages).
 
     python benchmarks/host_profile.py OUT_DIR [--op all_gather_matmul] [--strategy fused]  # --op: a bench op
-        [--m 4096 --n 3584 --k 8192] [--calls 30] [--graphs 0] [--stages | --gpu-trace [--main WORD]]
+        [--m 4096 --n 3584 --k 8192 --num-bs 1] [--calls 30] [--graphs 0] [--stages | --gpu-trace [--main WORD] [--caller-graph]]
 
 Two ranks (the local GPUs, or 2 CPU processes over gloo with a small shape). The call is the
 bench's own (`asynctp.bench.cases`, a row M x N x K as in asynctp/bench/shapes.py). Each profiled
@@ -16,7 +16,8 @@ time per op call, beside the host time of the op's local matmul alone (the bench
 (gpu_trace_<op>_<strategy>_graphs<G>_m<M>_rank<r>.json.gz) and rank 0 writes gpu_timeline_<...>.txt: per
 call, every GPU activity of both ranks (kernels, copies, memsets) on one clock (the traces'
 host-clock base), from rank 0's start of the call's main kernel (--main: a word of its name), as
-medians over the calls: what waits on what, and how far the ranks are apart.
+medians over the calls: what waits on what, and how far the ranks are apart. --caller-graph: the
+call captured in a CUDA graph of the caller's (as the bench's "graphed" columns), its replays traced.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch.multiprocessing as mp
 
 from asynctp.bench.cases import CASES
 from asynctp.bench.launch import SAFE_ENV
-from asynctp.bench.timing import align_ranks, isolated_us, max_over_ranks, time_us
+from asynctp.bench.timing import align_ranks, capture_graph, isolated_us, max_over_ranks, time_us
 from trace_kernels import load_trace  # benchmarks/trace_kernels.py, beside this script
 
 
@@ -237,6 +238,8 @@ def _gpu_trace(args: argparse.Namespace, problem, group, device, rank: int) -> N
     from torch.profiler import ProfilerActivity, profile
 
     call = lambda: problem.asynctp(args.strategy)  # noqa: E731
+    if args.caller_graph:  # inside a capture of the caller's, as the bench's graphed columns
+        call, _ = capture_graph(call, device)
     for _ in range(10):
         call()
     # the same calls timed as the bench times them (per-call events, median) and as one window over
@@ -244,7 +247,7 @@ def _gpu_trace(args: argparse.Namespace, problem, group, device, rank: int) -> N
     timed = {what: (time_us(fn, 50, 5, group, device), _window_us(fn, 50, group, device))
              for what, fn in (("op", call), ("local matmul", problem.compute_bound))}
     align_ranks(group, device)
-    name = f"{args.op}_{args.strategy}_graphs{args.graphs}_m{args.m}"
+    name = f"{args.op}_{args.strategy}_graphs{args.graphs}{'_callergraph' if args.caller_graph else ''}_m{args.m}"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.calls):
             call()
@@ -256,7 +259,8 @@ def _gpu_trace(args: argparse.Namespace, problem, group, device, rank: int) -> N
     prof.export_chrome_trace(paths[rank])
     dist.barrier(group)
     if rank == 0:
-        text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {args.m}x{args.n}x{args.k} on {device}, "
+        how = "replays of the caller's graph of the call, " if args.caller_graph else ""
+        text = (f"{args.op} strategy={args.strategy} graphs={args.graphs} {args.m}x{args.n}x{args.k} on {device}, {how}"
                 f"{args.calls} back-to-back calls, then {args.calls} of the local matmul alone\n")
         text += "".join(f"{what}, 50 back-to-back calls unprofiled: per-call events' median {med:.1f} us (the bench's "
                         f"reading), window mean {mean:.1f} us (slowest rank)\n" for what, (med, mean) in timed.items())
@@ -280,7 +284,8 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     if not cuda:
         args.m, args.n, args.k = 256, 128, 256
     # the bench's own call of the op (asynctp bench --op), on a row of this size
-    problem = CASES[args.op].build(Shape("host_profile", "", args.m, args.n, args.k), torch.bfloat16, group, device, 0)
+    problem = CASES[args.op].build(Shape("host_profile", "", args.m, args.n, args.k, args.num_bs), torch.bfloat16, group,
+                                   device, 0)
 
     if args.stages or args.gpu_trace:
         (_gpu_trace if args.gpu_trace else _stages)(args, problem, group, device, rank)
@@ -322,6 +327,7 @@ def main() -> int:
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--n", type=int, default=3584)
     p.add_argument("--k", type=int, default=8192)
+    p.add_argument("--num-bs", type=int, default=1, help="matrices sharing the gather (the llama sets' w13: 2)")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--top", type=int, default=35)
     p.add_argument("--graphs", default="0", choices=("0", "1", "auto"))
@@ -329,6 +335,8 @@ def main() -> int:
     p.add_argument("--gpu-trace", action="store_true", help="back-to-back calls under torch.profiler: both ranks' "
                    "GPU activities per call on one clock")
     p.add_argument("--main", default="_mm_kernel", help="--gpu-trace: a word of the call's main kernel's name")
+    p.add_argument("--caller-graph", action="store_true", help="--gpu-trace: the call captured in a CUDA graph of the "
+                   "caller's, its replays traced")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for key, value in SAFE_ENV.items():  # never NVLink multicast
