@@ -41,7 +41,7 @@ for s in ${STEPS:-kernels ops bench}; do
     gputrace) for s2 in ${GPUTRACE:-matmul_reduce_scatter:fused:auto:8192 all_gather_matmul:fused:auto:8192}; do
              IFS=: read -r o st g m c <<< "$s2"
              TAILN=60 step 150 gputrace_${o}_${st}_${g}_$m${c:+_$c} python3 benchmarks/host_profile.py $R --op $o --strategy $st \
-               --graphs $g --m $m --calls 20 --gpu-trace $([ "${c:-}" = caller ] && echo --caller-graph) ${GPUTRACE_ARGS:-}; done ;;
+               --graphs $g --m $m --calls 20 --gpu-trace ${c:+--caller-graph} ${GPUTRACE_ARGS:-}; done ;;
     # each demo run's kernels split into the wait for the later rank and the rest (after `demo --profile --trace`)
     skew) for t0 in $R/trace_*_rank0.json.gz; do
             TAILN=30 step 120 skew_$(basename "$t0" _rank0.json.gz) python3 benchmarks/trace_kernels.py --skew "$t0" \

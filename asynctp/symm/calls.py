@@ -7,8 +7,8 @@ groups without one (their ring carries the signature; serial calls are not compa
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 

@@ -86,7 +86,7 @@ def test_fp8_ops_name_their_inputs_in_the_terminal():
     words = "float8_e4m3fn inputs, bfloat16 output"
     assert f"all_gather_scaled_matmul_tensorwise ({words}, 2xH200, times in us)" in report.format_table([row])
     assert report.progress_line(row).startswith(f"all_gather_scaled_matmul_tensorwise seed 4096x3584x8192 {words}: auto")
-    assert f"{words}" in report.markdown([row])
+    assert words in report.markdown([row])
 
 
 def test_merge_replaces_rows_measured_again():
