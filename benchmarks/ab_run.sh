@@ -8,7 +8,8 @@
 #   PATCH="one.patch two.patch" ...     # sides A, B (one.patch), C (two.patch), in turn per step
 # Steps: test (B's GPU tests matching TESTS, a pytest -k expression), demo / fp8demo (the compiled
 # 8B-shaped block, bf16 / fp8 rowwise, at DEMO_ARGS, default batch 1; vanilla TP in the same run),
-# titan (torchtitan eager, VARIANTS default "asynctp asynctp_fp8"; carry .torchtitan_kit), train
+# titan (torchtitan, VARIANTS default "asynctp asynctp_fp8", eager; TITAN_GRAPHS=1: under torchtitan's
+# CUDA graphs; carry .torchtitan_kit), train
 # (train_bench.py at TRAIN_ARGS). Compiles are cached in .inductor_cache across steps and calls of a warm machine: a
 # cold compiled demo takes about 225 s on 2xH100, a cached one about 70-140 s.
 set -u
@@ -43,7 +44,7 @@ for s in ${STEPS:-fp8demo}; do
       demo) run demo_$side 330 $dir $DEMO --out $W/demo_$side ;;
       fp8demo) run fp8demo_$side 330 $dir $DEMO --float8 rowwise --out $W/fp8demo_$side ;;
       titan) [ -d $dir/.torchtitan_kit ] || cp -r $A/.torchtitan_kit $dir/
-             run titan_$side 300 $dir env VARIANTS="${VARIANTS:-asynctp asynctp_fp8}" GRAPHS=0 LIMIT=140 STEPS=20 WARMUP=8 \
+             run titan_$side 300 $dir env VARIANTS="${VARIANTS:-asynctp asynctp_fp8}" GRAPHS=${TITAN_GRAPHS:-0} LIMIT=140 STEPS=20 WARMUP=8 \
                bash benchmarks/torchtitan_bench.sh $W/titan_$side ;;
       train) run train_$side 540 $dir python3 benchmarks/train_bench.py --out $W/train_$side ${TRAIN_ARGS:---batch-sizes 1 --configs compiled} ;;
     esac
