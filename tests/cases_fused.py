@@ -219,3 +219,58 @@ def fused_graph_replays() -> dict:
     # per op (4): eager, capture, replays
     assert counts["captured"] >= 4 and counts["replayed"] >= 4 * 4, counts
     return counts
+
+
+def fused_in_a_caller_graph() -> int:
+    """The single-launch path captured in a CUDA graph of the caller's (torch.cuda.graph, not
+    asynctp's cache), bf16 and fp8 rowwise, all-gather and reduce-scatter: the kernel path serves
+    the capture (its waits are watched through beacons, symm/beacons.py), and replays with new
+    inputs written in place equal serial bit for bit. Returns the replays checked."""
+    rank, ws = world()
+    g = dist.group.WORLD
+    f8 = torch.float8_e4m3fn
+    assert asynctp.get_workspace(g, "cuda").beacons is not None
+    a_ag = torch.empty((512, 256), dtype=BF16, device="cuda")
+    b_ag = ints((256, 384), 3, BF16, "cuda")
+    a_rs = torch.empty((512 * ws, 256), dtype=BF16, device="cuda")
+    b_rs = ints((256, 320), 4, BF16, "cuda")
+    a8 = torch.empty((512, 256), dtype=f8, device="cuda")
+    s8 = torch.empty((512, 1), dtype=torch.float32, device="cuda")
+    w8 = ints((320, 256), 5, torch.float32, "cuda", low=-1, high=2).to(f8)
+    ws8 = 2.0 ** ints((1, 320), 6, torch.float32, "cuda", low=-2, high=1)
+
+    def fill(i: int) -> None:
+        a_ag.copy_(ints(a_ag.shape, 60 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
+        a_rs.copy_(ints(a_rs.shape, 61 + 10 * i + rank, BF16, "cuda", low=-1, high=2))
+        a8.copy_(ints(a8.shape, 62 + 10 * i + rank, torch.float32, "cuda", low=-1, high=2).to(f8))
+        s8.copy_(2.0 ** ints(s8.shape, 63 + 10 * i + rank, torch.float32, "cuda", low=-2, high=1))
+
+    def step():
+        got_a, (got,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="fused")
+        rs = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="fused")
+        _, (got8,) = asynctp.all_gather_scaled_matmul(a8, [w8.t()], s8, [ws8], 0, g, return_a=False, strategy="fused")
+        return got_a, got, rs, got8
+
+    fill(0)
+    for _ in range(3):  # warm-up: tuning and compiles happen outside the capture
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with kernel_path_calls() as served, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        got_a, got, rs, got8 = step()
+    assert served == ["gather_matmul", "matmul_scatter", "gather_matmul"], served
+    replay = graph.replay
+    checked = 0
+    for i in range(1, 4):
+        fill(i)
+        replay()
+        want_a, (want,) = asynctp.all_gather_matmul(a_ag, [b_ag], 0, g, strategy="serial")
+        assert torch.equal(got_a, want_a) and torch.equal(got, want), ("all-gather", i)
+        want = asynctp.matmul_reduce_scatter(a_rs, b_rs, 0, g, strategy="serial")
+        assert torch.equal(rs, want), ("reduce-scatter", i, (rs.double() - want.double()).abs().max())
+        _, (want8,) = asynctp.all_gather_scaled_matmul(a8, [w8.t()], s8, [ws8], 0, g, return_a=False,
+                                                       strategy="serial")
+        assert torch.equal(got8, want8), ("fp8 all-gather", i)
+        checked += 1
+    torch.cuda.synchronize()
+    return checked

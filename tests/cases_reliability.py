@@ -153,15 +153,18 @@ def ops_on_two_streams() -> None:
         assert torch.equal(r, ref)
 
 
-def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = False) -> str:
+def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = False, caller: bool = False) -> str:
     """cuda backend: the last rank skips the op; the others' device-side wait times out and
     is aborted. Before it is, asynctp's watchdog must log a line naming the op, the rank and the
     wait; after it, a synchronize must raise, not hang. Returns what the watchdog logged and how
     the synchronize ended (the context is lost: the test throws this pool away).
     replay: the op is called three times on every rank first, so the stuck call is replayed
-    from asynctp's CUDA graph (runtime/graphs.py)."""
+    from asynctp's CUDA graph (runtime/graphs.py). caller: every rank captures the op in a CUDA
+    graph of its own and replays it once; the stuck call is a replay of that graph (its waits are
+    watched through their beacons, symm/beacons.py)."""
     import faulthandler
 
+    from asynctp.bench.timing import capture_graph
     from asynctp.runtime import graphs
     from asynctp.symm import cuda as symm_cuda
 
@@ -177,6 +180,10 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
 
     for _ in range(3 if replay else 0):
         call()
+    if caller:
+        graph_replay, _ = capture_graph(call, torch.device("cuda"))
+        graph_replay()
+        call = graph_replay
     torch.cuda.synchronize()
     if rank == ws - 1:
         return "skipped"
@@ -186,7 +193,7 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     # a rank still here after 40 s (the pool gives up at 60) prints where every thread is
     faulthandler.dump_traceback_later(40)
     call()
-    how = "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
+    how = "caller graph" if caller else "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
     deadline = time.monotonic() + 3 + 5
     while not logged and time.monotonic() < deadline:
         time.sleep(0.1)

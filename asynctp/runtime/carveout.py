@@ -2,7 +2,7 @@
 
 cuBLAS's large GEMMs on Hopper are persistent: one block per SM, resident until the GEMM ends.
 Any kernel queued behind one on another stream (NCCL's send/recv kernels of the ring; torch's
-barrier and signal kernels where those are used: inside a caller's graph capture) waits for the
+barrier and signal kernels where those are used: without stream memory operations) waits for the
 whole GEMM, and the overlap that the pipeline was built for does not happen. While a pipelined call issues its matmuls, asynctp asks cuBLAS(Lt)
 to target `SMs - n` SMs (torch's experimental SM carve-out, honoured by the cuBLASLt path, which
 is selected for the duration), so those kernels start at once on the SMs left free.

@@ -137,7 +137,8 @@ def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -
         if ws.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # (a capture cannot tune)
             per_ws[key] = why
     if why is None and not ws.uses_stream_ops():
-        return "its waits need stream memory operations (not torch's signal kernels, not a caller's graph capture)"
+        return ("its waits need stream memory operations (not torch's signal kernels, nor a caller's graph capture "
+                "without beacons)")
     return why
 
 
@@ -231,6 +232,7 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
         launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap, a_scale=a_scale_ws,
                b_scale=b_scale, bias=bias, a_local=shard_2d, a_local_scale=scale_rows)
+    ws.device_wait_done()
     lanes.join()
     g.flags_int.zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs
@@ -301,6 +303,7 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     ws.watch_device_wait(lambda: f"the partials of ranks {_peers(world, rank)} (single-launch GEMM)", v.flags)
     tiles, _ = launch_producer(a_2d, b, partials, v.received, out, rank, world, blocks, v.a_strides, v.flag_ptr,
                                (1, world), v.counters, reduce_op=reduce_op, a_scale=a_scale, b_scale=b_scale, bias=bias)
+    ws.device_wait_done()
     with lanes.copy():
         for j, step, dst, counter, theirs in v.pushes:
             _wait_counter(ws, counter, tiles, f"the GEMM's tiles of rank {dst}'s block {j}")

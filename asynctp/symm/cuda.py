@@ -3,10 +3,11 @@
 Peer buffers are plain device pointers in this process, so `peer_view.copy_(src)` (or the
 reverse) is a cudaMemcpyAsync that runs on a copy engine and leaves every SM to the matmuls. Barriers and
 signals are stream memory operations on flags in the signal pad (streamops.py: no SM, a few
-microseconds of host time each). Where the driver lacks them, with TORCH_SIGNALS set, and
-in a CUDA graph the caller captures, torch's stream-ordered signal-pad kernels: those time out on
-their own, unwatched (asynctp's own graphs, runtime/graphs.py, capture the stream operations and the
-watchdog watches their replays). Multicast is never used.
+microseconds of host time each). asynctp's own graphs (runtime/graphs.py) capture the stream
+operations and the watchdog watches their replays; a graph the caller captures gets them too, each
+wait bracketed by its beacon (beacons.py), through which the watchdog times it. Where the driver
+lacks them, with TORCH_SIGNALS set, and in a caller's capture without beacons: torch's
+stream-ordered signal-pad kernels, which time out on their own, unwatched. Multicast is never used.
 
 Flags are set by the peer and reset by their owner after the wait. A flag's next set must come
 after its reset; the pipelines (runtime/pipeline.py) order it so: every op opens with barrier 0, and
@@ -23,8 +24,9 @@ made different calls never pass the barrier, so no data moves and no result is r
 watchdog names the op, the rank, the peer and the signature it expected once the timeout
 passes, then aborts the CUDA context (as for any stuck wait). All other flags are set to 1.
 A graph captured by runtime/graphs.py replays the signature of the call it captured, which is the
-signature of every call it serves (its key holds the same fields). The torch signal-kernel
-fallback (no stream memory operations, or a graph the caller captures) does not compare.
+signature of every call it serves (its key holds the same fields); a graph the caller captured
+replays the signature of the call captured there. The torch signal-kernel fallback does not
+compare.
 
 For the single-launch GEMM, which spins on the signal flags itself: `signal_flags(first,
 count)` is a flat contiguous torch.uint32 view of this rank's own signal flags for channels
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from asynctp.config import warn_once
-from asynctp.symm import streamops, watchdog
+from asynctp.symm import beacons, streamops, watchdog
 from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Workspace
 
@@ -83,8 +85,15 @@ class CudaWorkspace(Workspace):
         self._flags: tuple[list[int], int] | None = None  # (signal pad pointers, our region's offset)
         self._awaited: dict[int, int] = {}  # own flags a wait was enqueued on: address -> value awaited
         self.own_capture = False  # inside capturing() (runtime/graphs.py captures a call)
+        self.beacons: beacons.Beacons | None = None  # the waits of the caller's captures (beacons.py)
+        self._site: int | None = None  # the beacon of the captured wait being enqueued
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
+        if self._ops is not None:
+            self.beacons, why = beacons.make(self._ops.write, self.device)
+            if why is not None:
+                warn_once("asynctp-beacons", f"asynctp: inside CUDA graphs the caller captures, barriers and signals use "
+                          f"torch's signal kernels and the single-launch GEMM declines ({why})")
         # made now: when the watchdog needs them, this process's streams may all be stuck
         self._abort = (torch.cuda.Stream(self.device), torch.zeros((), dtype=torch.bool, device=self.device))
         # and the assert's kernel loaded now: CUDA loads a kernel at its first launch
@@ -126,8 +135,10 @@ class CudaWorkspace(Workspace):
             self.own_capture = False
 
     def uses_stream_ops(self) -> bool:
-        """Whether the next barrier/signal is a stream memory operation (see streamops.py)."""
-        return self._ops is not None and (self.own_capture or not torch.cuda.is_current_stream_capturing())
+        """Whether the next barrier/signal is a stream memory operation (see streamops.py): in a
+        graph the caller captures, where the waits can have beacons (beacons.py)."""
+        return self._ops is not None and (self.own_capture or self.beacons is not None
+                                          or not torch.cuda.is_current_stream_capturing())
 
     def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
@@ -163,11 +174,28 @@ class CudaWorkspace(Workspace):
 
     def _watch(self, what: str | Callable[[], str], peer: int | None, seconds: float) -> bool:
         """Record a wait for the watchdog; returns whether it is a stream memory operation.
-        A wait captured into a CUDA graph runs at replay: runtime/graphs.py watches the replay."""
+        A wait captured into a CUDA graph runs at replay: runtime/graphs.py watches the replay of
+        its own graphs; in the caller's, the wait's beacon goes up (closed by _leave)."""
         if torch.cuda.is_current_stream_capturing():
-            return self._ops is not None and self.own_capture
+            if self._ops is None or self.own_capture:
+                return self._ops is not None
+            if self.beacons is None:
+                return False
+            stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+            self._site = self.beacons.enter(stream, self.op, what, peer, seconds)
+            return True
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
+
+    def _leave(self) -> None:
+        """The captured wait just enqueued on the current stream is passed: its beacon goes down."""
+        if self._site is not None:
+            self.beacons.leave(torch._C._cuda_getCurrentRawStream(self.device.index), self._site)
+            self._site = None
+
+    def device_wait_done(self) -> None:
+        """The kernel whose spins watch_device_wait announced is launched on the current stream."""
+        self._leave()
 
     def watch_replay(self, op: str) -> None:
         """Tell the watchdog that the GPU now replays a CUDA graph of a call of `op` captured in
@@ -192,6 +220,7 @@ class CudaWorkspace(Workspace):
         self._ops.wait(stream, word.data_ptr(), value)
         if reset:
             self._ops.write(stream, word.data_ptr(), 0)
+        self._leave()
 
     def _wait_reset(self, stream: int, address: int, value: int = SIGNAL_VALUE) -> None:
         self._awaited[address] = value
@@ -235,6 +264,7 @@ class CudaWorkspace(Workspace):
         for peer in range(self.world_size):
             if peer != rank:
                 self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer), value)
+        self._leave()
         if channel == 0 and not torch.cuda.is_current_stream_capturing():
             # the watchdog names this barrier, not a later wait, while the GPU has not passed it
             if self._gate_passed is None:
@@ -260,6 +290,7 @@ class CudaWorkspace(Workspace):
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))
+        self._leave()
 
 
 def _fields(call: tuple) -> str:

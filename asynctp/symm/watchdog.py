@@ -1,7 +1,7 @@
 """Names a stuck device-side wait, and enforces the timeout of the waits that have none.
 
 On the cuda backend a barrier or signal wait is either a stream memory operation (streamops.py:
-the GPU's front end waits, with no timeout of its own) or, in a graph the caller captures, torch's kernel
+the GPU's front end waits, with no timeout of its own) or, where those are missing, torch's kernel
 that spins and traps after its timeout, which kills the CUDA context with an error that names
 nothing. Each wait records, on the host, what it waits for (op, kind, peer, channel, when it was
 issued); a daemon thread checks every workspace with a wait in flight and, once a wait is older
@@ -12,9 +12,11 @@ stream stays stuck, then a device-side assert), as the kernel would trap: every 
 process raises instead of hanging.
 
 A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as one wait, "the
-barriers and signals of a CUDA-graph replay", with the same abort. Not covered: waits in a graph
-the caller captured (torch's kernels are used there, which trap on their own). Verified on 2xH200
-by tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
+barriers and signals of a CUDA-graph replay", with the same abort. A wait in a graph the caller
+captured is watched through its beacon (beacons.py: a word of pinned memory the graph sets while
+the GPU waits there), with the same message and abort; without beacons, torch's kernels are used
+there, which trap on their own. Verified on GPUs by
+tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
 tested on fakes in tests/unit/test_watchdog.py.
 """
 
@@ -100,6 +102,18 @@ def check(ws: Any, now: float | None = None) -> str | None:
     return _check(ws, _waiting(ws), now)
 
 
+def _stuck(ws: Any, now: float | None) -> tuple[Any, str | None]:
+    """(the stuck wait, its message): an eager wait or replay (_waiting), else a wait of a graph
+    the caller captured (ws.beacons, where ws has them), else (None, None)."""
+    p = _waiting(ws)
+    message = _check(ws, p, now)
+    if message is None and getattr(ws, "beacons", None) is not None:
+        p = ws.beacons.stuck(now)
+        if p is not None:
+            message = _message(ws, p, time.monotonic() if now is None else now, " (in a CUDA graph the caller captured)")
+    return p, message
+
+
 def _check(ws: Any, p: Any, now: float | None) -> str | None:
     if p is None:
         return None
@@ -125,11 +139,15 @@ def _check(ws: Any, p: Any, now: float | None) -> str | None:
     if now - p.issued <= p.timeout:
         return None
     _forget(ws, p)
+    return _message(ws, p, now, "")
+
+
+def _message(ws: Any, p: Any, now: float, where: str) -> str:
     source = f"from rank {p.peer}" if p.peer is not None else "from every rank of the group"
     hint = f"is rank {p.peer} alive" if p.peer is not None else "are all ranks alive"
     message = (
         f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the GPU has waited over "
-        f"{p.timeout:g} s for {p.what} {source} (enqueued {now - p.issued:.0f} s ago); the "
+        f"{p.timeout:g} s for {p.what} {source}{where} (enqueued {now - p.issued:.0f} s ago); the "
         f"device-side wait will now abort this process with a CUDA error. {hint.capitalize()} and "
         f"running the same ops in the same order? (ASYNCTP_TIMEOUT sets the limit)"
     )
@@ -137,12 +155,11 @@ def _check(ws: Any, p: Any, now: float | None) -> str | None:
 
 
 def report(ws: Any, now: float | None = None) -> str | None:
-    """check(ws); a stuck wait is logged, and when it has no timeout of its own (Pending.abort)
+    """ws's stuck wait (_stuck) is logged, and when it has no timeout of its own (Pending.abort)
     ws's device abort is enqueued first: once the line is out, a synchronize is sure to raise
     (logging first let one that started in between return when the released waits finished
     before the abort's assert was even launched)."""
-    p = _waiting(ws)
-    message = _check(ws, p, now)
+    p, message = _stuck(ws, now)
     if message is not None:
         try:
             if p.abort:

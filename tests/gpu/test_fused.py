@@ -27,3 +27,7 @@ def test_fused_scaled_all_gather_exact(pool):
 def test_fused_graph_replays(pool):
     counts = pool.run(cases_fused.fused_graph_replays)
     assert all(c["replayed"] >= 16 for c in counts), counts
+
+
+def test_fused_in_a_caller_graph(pool):
+    assert pool.run(cases_fused.fused_in_a_caller_graph)[0] == 3

@@ -4,6 +4,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from asynctp.symm import streamops
 
@@ -42,7 +43,7 @@ class RecordingOps:
         self.calls.append(("wait", address, value))
 
 
-def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=False):
+def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=False, beacons=None):
     """A CudaWorkspace with its flags at pad addresses 1000 * (r + 1), offset 0, and stream ops
     that record what they would enqueue (no CUDA needed)."""
     cuda = pytest.importorskip("asynctp.symm.cuda")
@@ -57,6 +58,7 @@ def fake_workspace(monkeypatch, rank=0, world=3, own_capture=False, capturing=Fa
     ws.device = SimpleNamespace(index=0)
     ws._ops, ws._flags, ws._awaited, ws.own_capture = RecordingOps(), ([1000, 2000, 3000], 0), {}, own_capture
     ws.signature, ws.seq, ws.call = 1, 0, ("test", (), ())
+    ws.beacons, ws._site = beacons, None
     ws._handle = SimpleNamespace(barrier=lambda **kw: ws._ops.calls.append(("torch barrier", kw["channel"])))
     return ws, cuda
 
@@ -123,9 +125,31 @@ def test_asynctps_own_capture_uses_the_stream_ops_and_a_callers_capture_torchs_k
     ws.barrier(channel=0)
     assert [c[0] for c in ws._ops.calls] == ["write", "write", "wait", "write", "wait", "write"]
     assert ws.pending is None  # a captured wait runs at replay: graphs.py watches the replay
-    ws, _ = fake_workspace(monkeypatch, capturing=True, own_capture=False)
+    ws, _ = fake_workspace(monkeypatch, capturing=True, own_capture=False)  # no beacons
     ws.barrier(channel=0)
-    assert ws._ops.calls == [("torch barrier", 0)] and ws.pending is None
+    assert ws._ops.calls == [("torch barrier", 0)] and ws.pending is None and not ws.uses_stream_ops()
+
+
+def test_a_callers_capture_brackets_each_stream_wait_with_its_beacon(monkeypatch):
+    from asynctp.symm.beacons import Beacons
+
+    ops = RecordingOps()
+    b = Beacons(torch.zeros(4, dtype=torch.int32), ops.write)
+    beacon = lambda slot: b.words.data_ptr() + 4 * slot  # noqa: E731
+    ws, cuda = fake_workspace(monkeypatch, rank=0, world=2, capturing=True, beacons=b)
+    ws._ops = ops
+    assert ws.uses_stream_ops()
+    ws.barrier(channel=1)
+    ws.wait_signal(1, channel=3)
+    # the flag that rank `src` sets for (kind, channel) in rank `pad`'s signal pad
+    flag = lambda pad, kind, channel, src: 1000 * (pad + 1) + 4 * ((kind * cuda.FLAG_CHANNELS + channel) * 2 + src)  # noqa: E731
+    assert ops.calls == [
+        ("write", beacon(0), 1), ("write", flag(1, 0, 1, 0), 1),
+        ("wait", flag(0, 0, 1, 1), 1), ("write", flag(0, 0, 1, 1), 0), ("write", beacon(0), 0),
+        ("write", beacon(1), 1), ("wait", flag(0, 1, 3, 1), 1), ("write", flag(0, 1, 3, 1), 0), ("write", beacon(1), 0),
+    ]
+    assert ws.pending is None and [b.sites[i].what for i in (0, 1)] == ["barrier channel 1", "signal channel 3"]
+    assert b.sites[1].peer == 1 and b.sites[0].op == "test"
 
 
 def test_a_driver_error_raises_naming_the_call():

@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from asynctp.symm import watchdog
 
@@ -128,3 +129,53 @@ def test_lanes_count_ops_and_an_abandoned_op_settles():
     lanes.fork()
     lanes.abandon()
     assert lanes.started == lanes.joined == 2
+
+
+def fake_beacons(words: int = 8):
+    """Beacons over a plain CPU tensor, whose "stream writes" land at once."""
+    from asynctp.symm.beacons import Beacons
+
+    t = torch.zeros(words, dtype=torch.int32)
+    base = t.data_ptr()
+
+    def write(stream, address, value):
+        t[(address - base) // 4] = value
+
+    return Beacons(t, write)
+
+
+def test_a_captured_wait_up_at_every_sample_past_its_timeout_is_named_and_aborted(capsys):
+    b = fake_beacons()
+    b.leave(0, b.enter(0, "all_gather_matmul", "barrier channel 1", None, 5.0))  # passed
+    slot = b.enter(0, "matmul_reduce_scatter", lambda: "signal channel 3", 1, 5.0)
+    ws = fake_ws(False, None)
+    ws.beacons, aborts = b, []
+    ws.abort_device = lambda: aborts.append(True)
+    for t in (100.0, 102.0, 104.0):
+        assert watchdog.report(ws, now=t) is None
+    message = watchdog.report(ws, now=105.5)
+    for part in ("asynctp matmul_reduce_scatter", "rank 1", "signal channel 3 from rank 1",
+                 "in a CUDA graph the caller captured", "over 5 s", "enqueued 6 s ago"):
+        assert part in message, (part, message)
+    assert aborts == [True] and message in capsys.readouterr().err
+    assert watchdog.report(ws, now=120.0) is None  # named once
+    assert b.words[slot] == 1
+
+
+def test_a_captured_wait_seen_down_at_one_sample_starts_over():
+    # replays in a loop: the wait passes between samples, its beacon is down at some sample
+    b = fake_beacons()
+    slot = b.enter(0, "all_gather_matmul", "barrier channel 0", None, 5.0)
+    assert b.stuck(now=100.0) is None
+    b.leave(0, slot)
+    assert b.stuck(now=103.0) is None
+    b.words[slot] = 1  # the next replay reaches the wait
+    assert b.stuck(now=104.0) is None and b.stuck(now=108.0) is None
+    p = b.stuck(now=109.5)
+    assert p is not None and p.issued == 104.0 and p.abort and p.what == "barrier channel 0"
+
+
+def test_beacons_reuse_the_oldest_words_when_full():
+    b = fake_beacons(words=2)
+    assert [b.enter(0, "op", f"wait {i}", None, 1.0) for i in range(3)] == [0, 1, 0]
+    assert b.wrapped and b.sites[0].what == "wait 2"
