@@ -91,6 +91,8 @@ class Beacons:
 def make(write, device: torch.device) -> tuple[Beacons | None, str | None]:
     """(Beacons, None) where a stream write reaches pinned host memory on `device` (tried once:
     one write and a synchronize), else (None, why)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None, "the workspace was made during a CUDA-graph capture: call asynctp.reserve(group, nbytes) before it"
     try:
         words = torch.zeros(CAPACITY, dtype=torch.int32, pin_memory=True)
         stream = torch.cuda.Stream(device)

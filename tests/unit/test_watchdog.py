@@ -179,3 +179,17 @@ def test_beacons_reuse_the_oldest_words_when_full():
     b = fake_beacons(words=2)
     assert [b.enter(0, "op", f"wait {i}", None, 1.0) for i in range(3)] == [0, 1, 0]
     assert b.wrapped and b.sites[0].what == "wait 2"
+
+
+def test_no_beacons_where_a_stream_write_cannot_reach_pinned_memory(monkeypatch):
+    from asynctp.symm import beacons
+
+    def failing_write(stream, address, value):
+        raise RuntimeError("cuStreamWriteValue32 failed with CUresult 1")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    made, why = beacons.make(failing_write, torch.device("cuda", 0))
+    assert made is None and why.startswith("stream writes to pinned host memory failed"), why
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    made, why = beacons.make(failing_write, torch.device("cuda", 0))
+    assert made is None and "asynctp.reserve" in why, why
