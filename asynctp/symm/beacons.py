@@ -5,8 +5,9 @@ graph is timed as one wait. A graph the caller captures (torch.cuda.graph, torch
 "reduce-overhead", torchtitan's graphs) replays whenever the caller says, and the host is not
 told. So each wait captured there is bracketed in the graph by two stream memory writes into its
 own word of pinned host memory, its beacon: 1 on the wait's stream before the wait, 0 after it.
-The writes run on the GPU's front end (no SM, no kernel; a few hundred nanoseconds a replay) and
-the watchdog reads the words in host memory, with no CUDA call, every half second.
+The writes run on the GPU's front end (no SM, no kernel; torchtitan's step under its graphs kept
+its time, docs/performance.md) and the watchdog reads the words in host memory, with no CUDA call,
+every half second.
 
 A wait is stuck when its beacon read 1 at every sample for longer than the wait's timeout: a wait
 that passes leaves its beacon at 0 until the next replay reaches it, and a sample lands there.
