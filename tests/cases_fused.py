@@ -229,7 +229,8 @@ def fused_in_a_caller_graph() -> int:
     rank, ws = world()
     g = dist.group.WORLD
     f8 = torch.float8_e4m3fn
-    assert asynctp.get_workspace(g, "cuda").beacons is not None
+    beacons = asynctp.get_workspace(g, "cuda").beacons
+    assert beacons is not None
     a_ag = torch.empty((512, 256), dtype=BF16, device="cuda")
     b_ag = ints((256, 384), 3, BF16, "cuda")
     a_rs = torch.empty((512 * ws, 256), dtype=BF16, device="cuda")
@@ -256,9 +257,13 @@ def fused_in_a_caller_graph() -> int:
         step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    first = beacons._next
     with kernel_path_calls() as served, torch.cuda.graph(graph, capture_error_mode="thread_local"):
         got_a, got, rs, got8 = step()
     assert served == ["gather_matmul", "matmul_scatter", "gather_matmul"], served
+    # every wait of the capture took a beacon: the copy streams' barriers and waits, the kernels' spins
+    sites = beacons.sites[first : beacons._next]
+    assert len(sites) >= 6 and sum("single-launch GEMM" in s.what() for s in sites if callable(s.what)) == 3
     replay = graph.replay
     checked = 0
     for i in range(1, 4):
@@ -271,6 +276,8 @@ def fused_in_a_caller_graph() -> int:
         _, (want8,) = asynctp.all_gather_scaled_matmul(a8, [w8.t()], s8, [ws8], 0, g, return_a=False,
                                                        strategy="serial")
         assert torch.equal(got8, want8), ("fp8 all-gather", i)
+        # after the replay every beacon of the capture is down again (each wait left)
+        assert not beacons.words[first : beacons._next].any(), beacons.words[first : beacons._next]
         checked += 1
     torch.cuda.synchronize()
     return checked

@@ -159,9 +159,12 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     wait; after it, a synchronize must raise, not hang. Returns what the watchdog logged and how
     the synchronize ended (the context is lost: the test throws this pool away).
     replay: the op is called three times on every rank first, so the stuck call is replayed
-    from asynctp's CUDA graph (runtime/graphs.py). caller: every rank captures the op in a CUDA
-    graph of its own and replays it once; the stuck call is a replay of that graph (its waits are
-    watched through their beacons, symm/beacons.py)."""
+    from asynctp's CUDA graph (runtime/graphs.py). caller: every rank captures the op and then
+    the other op (reduce-scatter after an all-gather, all-gather after a reduce-scatter: their
+    opening barriers await different signatures on the same flags) in a CUDA graph of its own
+    and replays it once; the stuck call is a replay of that graph, stuck at the first op (its
+    waits are watched through their beacons, symm/beacons.py). op "ag-fused": the all-gather on
+    the single-launch GEMM (bf16, rows it serves), whose kernel spins on the rows' flags."""
     import faulthandler
 
     from asynctp.bench.timing import capture_graph
@@ -171,17 +174,30 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     symm_cuda.TORCH_SIGNALS = torch_signals  # before the workspace exists
     rank, ws, a, b = _fault_setup("cuda")
 
+    a16, b16 = ints((512, 256), rank, torch.bfloat16, "cuda", low=-1, high=2), ints((256, 384), 1, torch.bfloat16, "cuda")
+
     def call() -> None:
         if op == "ag":
             asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+        elif op == "ag-fused":
+            asynctp.all_gather_matmul(a16, [b16], 0, dist.group.WORLD, strategy="fused")
         else:
             asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, reduce_op="avg" if op == "rs-avg" else "sum",
                                           strategy="pipeline")
 
+    def then_the_other() -> None:
+        call()
+        if op.startswith("ag"):
+            asynctp.matmul_reduce_scatter(a, b, 0, dist.group.WORLD, strategy="pipeline")
+        else:
+            asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+
     for _ in range(3 if replay else 0):
         call()
+    beacons = asynctp.get_workspace(dist.group.WORLD, "cuda").beacons
+    waits = beacons._next if beacons is not None else 0
     if caller:
-        graph_replay, _ = capture_graph(call, torch.device("cuda"))
+        graph_replay, _ = capture_graph(then_the_other, torch.device("cuda"))
         graph_replay()
         call = graph_replay
     torch.cuda.synchronize()
@@ -193,7 +209,10 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     # a rank still here after 40 s (the pool gives up at 60) prints where every thread is
     faulthandler.dump_traceback_later(40)
     call()
-    how = "caller graph" if caller else "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
+    if caller:  # the capture's waits took beacons, or it fell back to torch's kernels
+        how = "caller graph, beacons" if beacons is not None and beacons._next > waits else "caller graph, none"
+    else:
+        how = "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
     deadline = time.monotonic() + 3 + 5
     while not logged and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -226,13 +226,15 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
                 place(gathered, runs, src, 0, all_rows[src * m : (src + 1) * m])
-    ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
     scales = b_scales or [None] * len(bs)
     a_scale_ws = all_scales if scaled else a_scale
-    for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-        launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap, a_scale=a_scale_ws,
-               b_scale=b_scale, bias=bias, a_local=shard_2d, a_local_scale=scale_rows)
-    ws.device_wait_done()
+    ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
+    try:
+        for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
+            launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap,
+                   a_scale=a_scale_ws, b_scale=b_scale, bias=bias, a_local=shard_2d, a_local_scale=scale_rows)
+    finally:  # (inside a caller's capture: its beacon goes down after the launches, even a failed one)
+        ws.device_wait_done()
     lanes.join()
     g.flags_int.zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs
@@ -301,9 +303,12 @@ def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias
     with lanes.copy():
         ws.barrier(channel=0)
     ws.watch_device_wait(lambda: f"the partials of ranks {_peers(world, rank)} (single-launch GEMM)", v.flags)
-    tiles, _ = launch_producer(a_2d, b, partials, v.received, out, rank, world, blocks, v.a_strides, v.flag_ptr,
-                               (1, world), v.counters, reduce_op=reduce_op, a_scale=a_scale, b_scale=b_scale, bias=bias)
-    ws.device_wait_done()
+    try:
+        tiles, _ = launch_producer(a_2d, b, partials, v.received, out, rank, world, blocks, v.a_strides, v.flag_ptr,
+                                   (1, world), v.counters, reduce_op=reduce_op, a_scale=a_scale, b_scale=b_scale,
+                                   bias=bias)
+    finally:
+        ws.device_wait_done()
     with lanes.copy():
         for j, step, dst, counter, theirs in v.pushes:
             _wait_counter(ws, counter, tiles, f"the GEMM's tiles of rank {dst}'s block {j}")

@@ -3,99 +3,149 @@
 An eager wait tells the watchdog (watchdog.py) when it was enqueued, and a replay of asynctp's own
 graph is timed as one wait. A graph the caller captures (torch.cuda.graph, torch.compile's
 "reduce-overhead", torchtitan's graphs) replays whenever the caller says, and the host is not
-told. So each wait captured there is bracketed in the graph by two stream memory writes into its
-own word of pinned host memory, its beacon: 1 on the wait's stream before the wait, 0 after it.
-The writes run on the GPU's front end (no SM, no kernel; torchtitan's step under its graphs kept
-its time, docs/performance.md) and the watchdog reads the words in host memory, with no CUDA call,
-every half second.
+told. So each wait captured there has a beacon, two words of pinned host memory, and is bracketed
+in the graph by stream memory writes: before the wait, 0 into its mark and 1 into its up word;
+after it, 0 into its up word. The writes run on the GPU's front end (no SM, no kernel;
+torchtitan's step under its graphs kept its time, docs/performance.md) and the watchdog reads and
+writes the words in host memory, with no CUDA call, every half second.
 
-A wait is stuck when its beacon read 1 at every sample for longer than the wait's timeout: a wait
-that passes leaves its beacon at 0 until the next replay reaches it, and a sample lands there.
-(A rank whose stream does nothing but wait for a far slower peer, minutes on end, would look
-stuck: its peer is then at least as slow as the timeout allows anyway.) The watchdog then names
-the op, the rank and what the wait awaited, and aborts the context as for an eager stream wait.
+Mark and check: the first sample that finds a wait up sets its mark to 1 and notes the time. The
+GPU clears the mark each time it reaches the wait again, so a later sample that finds the wait up
+with the mark still set knows it is the same pass of the wait; a pass that is up longer than the
+wait's timeout is stuck. (A sample that reads "up" just before the GPU leaves and re-enters the
+wait and then sets the mark can take the new pass for the old one by less than one sampling
+period: a wait is named at most that much early, never for a pass shorter than its timeout less
+that.) The watchdog then names the op, the rank and what the wait awaited, writes into the flags
+of the rank's captured waits the values they await (release_pairs), and aborts the context, as
+for an eager stream wait.
 
-Without beacons (no pinned memory the stream writes can reach), a caller's capture keeps using
-torch's signal kernels, which time out on their own, and the single-launch GEMM declines there.
+The words are the process's, per device, and never freed: a graph may outlive the workspace whose
+waits it captured. Every rank of a group has beacons or none (agreed when its workspace is made):
+without them, a caller's capture keeps using torch's signal kernels, which time out on their own,
+and the single-launch GEMM declines there.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
 from asynctp.config import warn_once
 from asynctp.symm import watchdog
 
-__all__ = ["Beacons", "make"]
+__all__ = ["Beacons", "for_device"]
 
-CAPACITY = 1 << 16  # words: 256 KiB of pinned memory per workspace
+CAPACITY = 1 << 18  # waits per device: 2 MiB of pinned memory (up words, then marks)
+
+_pools: dict[int, Beacons] = {}  # device index -> its beacons, for the process's lifetime
 
 
 class _Site:
-    """One captured wait: what the watchdog says when it is stuck."""
+    """One captured wait: its workspace (weakly), what the watchdog says when it is stuck, and the
+    (flag address, value) pairs it waits for (what an abort writes to release it)."""
 
-    __slots__ = ("op", "what", "peer", "timeout")
+    __slots__ = ("owner", "op", "what", "peer", "timeout", "awaited")
 
-    def __init__(self, op: str, what, peer: int | None, timeout: float) -> None:
-        self.op, self.what, self.peer, self.timeout = op, what, peer, timeout
+    def __init__(self, owner, op: str, what, peer: int | None, timeout: float) -> None:
+        self.owner, self.op, self.what, self.peer, self.timeout = weakref.ref(owner), op, what, peer, timeout
+        self.awaited: list[tuple[int, int]] = []
 
 
 class Beacons:
-    """The beacon words of one workspace and the captured waits they belong to.
-    `write(stream, address, value)` enqueues a stream memory write (streamops.StreamOps.write)."""
+    """The beacons of one device: `words` (int32, pinned, 2 x capacity: the up words, then the
+    marks) and the captured waits they belong to. `write(stream, address, value)` enqueues a
+    stream memory write (streamops.StreamOps.write)."""
 
     def __init__(self, words: torch.Tensor, write) -> None:
-        self.words = words  # int32, pinned: the device writes, the host reads
-        self._host = words.numpy()
+        capacity = words.numel() // 2
+        self.words = words
+        host = words.numpy()
+        self._up, self._mark = host[:capacity], host[capacity:]
         self._base = words.data_ptr()
+        self._mark_base = self._base + 4 * capacity
         self._write = write
-        self.sites: list[_Site | None] = [None] * words.numel()
+        self.sites: list[_Site | None] = [None] * capacity
         self._next = 0
         self.wrapped = False
-        self._since: dict[int, float] = {}  # slot -> first sample of its current run of 1s
+        self._marked: dict[int, float] = {}  # slot -> when a sample set its mark
+        self._named: set[int] = set()
 
-    def enter(self, stream: int, op: str, what, peer: int | None, timeout: float) -> int:
-        """A wait is being captured on `stream`: its slot, with the write of 1 enqueued before it."""
+    def enter(self, stream: int, owner, op: str, what, peer: int | None, timeout: float) -> int:
+        """A wait of `owner` (a workspace) is being captured on `stream`: its slot, with the
+        writes that clear its mark and set it up enqueued before it."""
         slot = self._next
         self._next = (slot + 1) % len(self.sites)
         if self._next == 0 and not self.wrapped:
             self.wrapped = True
             warn_once("asynctp-beacons-wrapped", f"asynctp: over {len(self.sites)} waits captured in CUDA graphs of the "
                       "caller's: new ones share beacons with the oldest, whose stuck waits may be misnamed or missed")
-        self.sites[slot] = _Site(op, what, peer, timeout)
+        self.sites[slot] = _Site(owner, op, what, peer, timeout)
+        self._write(stream, self._mark_base + 4 * slot, 0)
         self._write(stream, self._base + 4 * slot, 1)
         return slot
 
+    def awaits(self, slot: int, address: int, value: int) -> None:
+        """The wait of `slot` waits until the 32-bit word at `address` equals `value`."""
+        self.sites[slot].awaited.append((address, value))
+
     def leave(self, stream: int, slot: int) -> None:
-        """The captured wait of `slot` is enqueued: the write of 0 after it."""
+        """The captured wait of `slot` is enqueued: the write that sets it down, after it."""
         self._write(stream, self._base + 4 * slot, 0)
 
-    def stuck(self, now: float | None = None) -> watchdog.Pending | None:
-        """The captured wait whose beacon read 1 at every sample for longer than its timeout,
-        as a Pending (issued: its first such sample; abort: a stream wait has no timeout of its
-        own), or None. Each call is a sample."""
+    def _up_slots(self) -> list[int]:
+        return self._up[: len(self.sites) if self.wrapped else self._next].nonzero()[0].tolist()
+
+    def stuck(self, owner, now: float | None = None) -> watchdog.Pending | None:
+        """A wait of `owner` up in one pass for longer than its timeout (mark and check, above),
+        as a Pending (issued: the sample that marked it; abort: a stream wait has no timeout of
+        its own), named once; or None. Each call is a sample."""
         now = time.monotonic() if now is None else now
-        on = self._host[: len(self.sites) if self.wrapped else self._next].nonzero()[0].tolist()
-        self._since = {slot: self._since.get(slot, now) for slot in on}
-        for slot in on:
+        up = self._up_slots()
+        current = set(up)
+        self._marked = {slot: t for slot, t in self._marked.items() if slot in current}
+        self._named &= current
+        for slot in up:
             site = self.sites[slot]
-            if site is not None and now - self._since[slot] > site.timeout:
+            if site is None or site.owner() is not owner or slot in self._named:
+                continue
+            if slot not in self._marked or not self._mark[slot]:
+                self._mark[slot] = 1
+                self._marked[slot] = now
+            elif now - self._marked[slot] > site.timeout:
+                self._named.add(slot)
                 p = watchdog.Pending(site.op, site.what, site.peer, site.timeout, abort=True)
-                p.issued = self._since.pop(slot)
-                self.sites[slot] = None  # named once
+                p.issued = self._marked[slot]
                 return p
         return None
 
+    def release_pairs(self, owner) -> list[tuple[int, int]]:
+        """The (address, value) pairs that release `owner`'s captured waits: every wait's (the
+        ones after a stuck wait in its graph must not stop the stream again before the abort's
+        assert lands), then again those of the waits up now, so that a flag several waits share
+        with different values (the opening barriers of different ops: each awaits its call's
+        signature) is left with the value awaited there now."""
+        pairs, now_up = [], []
+        up = set(self._up_slots())
+        for slot, site in enumerate(self.sites):
+            if site is not None and site.owner() is owner:
+                pairs.extend(site.awaited)
+                if slot in up:
+                    now_up.extend(site.awaited)
+        return pairs + now_up
 
-def make(write, device: torch.device) -> tuple[Beacons | None, str | None]:
-    """(Beacons, None) where a stream write reaches pinned host memory on `device` (tried once:
-    one write and a synchronize), else (None, why)."""
+
+def for_device(write, device: torch.device) -> tuple[Beacons | None, str | None]:
+    """(the device's Beacons, None), made at the first call outside a capture where a stream
+    write reaches pinned host memory (tried with one write and a synchronize), else (None, why)."""
+    held = _pools.get(device.index)
+    if held is not None:
+        return held, None
     if torch.cuda.is_current_stream_capturing():
         return None, "the workspace was made during a CUDA-graph capture: call asynctp.reserve(group, nbytes) before it"
     try:
-        words = torch.zeros(CAPACITY, dtype=torch.int32, pin_memory=True)
+        words = torch.zeros(2 * CAPACITY, dtype=torch.int32, pin_memory=True)
         stream = torch.cuda.Stream(device)
         write(stream.cuda_stream, words.data_ptr(), 1)
         stream.synchronize()
@@ -105,4 +155,5 @@ def make(write, device: torch.device) -> tuple[Beacons | None, str | None]:
         return None, f"stream writes to pinned host memory failed ({exc})"
     if seen != 1:
         return None, f"a stream write to pinned host memory read back {seen}, not 1"
-    return Beacons(words, write), None
+    held = _pools[device.index] = Beacons(words, write)
+    return held, None

@@ -89,11 +89,7 @@ class CudaWorkspace(Workspace):
         self._site: int | None = None  # the beacon of the captured wait being enqueued
         self._abort: tuple[torch.cuda.Stream, torch.Tensor] | None = None
         self._grow(1 << 20)
-        if self._ops is not None:
-            self.beacons, why = beacons.make(self._ops.write, self.device)
-            if why is not None:
-                warn_once("asynctp-beacons", f"asynctp: inside CUDA graphs the caller captures, barriers and signals use "
-                          f"torch's signal kernels and the single-launch GEMM declines ({why})")
+        self._agree_beacons()
         # made now: when the watchdog needs them, this process's streams may all be stuck
         self._abort = (torch.cuda.Stream(self.device), torch.zeros((), dtype=torch.bool, device=self.device))
         # and the assert's kernel loaded now: CUDA loads a kernel at its first launch
@@ -123,6 +119,19 @@ class CudaWorkspace(Workspace):
             warn_once("torch-signal-kernels", f"asynctp: barriers and signals use torch's signal kernels ({why}); each one "
                       "costs more host time and holds an SM while it waits")
 
+    def _agree_beacons(self) -> None:
+        """Beacons on every rank of the group or on none (collective): a rank without them would
+        wait inside a caller's capture on torch's kernels, whose flags its peers never set."""
+        mine, why = beacons.for_device(self._ops.write, self.device) if self._ops is not None else (None, None)
+        ranks = exchange(self.group, self.op, mine is not None, tag="beacons")
+        lacking = [r for r, have in enumerate(ranks) if not have]
+        if mine is not None and lacking:
+            why = f"ranks {lacking} of the group have none"
+        self.beacons = mine if not lacking else None
+        if lacking and why is not None:
+            warn_once("asynctp-beacons", f"asynctp: inside CUDA graphs the caller captures, barriers and signals use "
+                      f"torch's signal kernels and the single-launch GEMM declines ({why})")
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """The current stream captures a CUDA graph of asynctp's own (runtime/graphs.py), whose
@@ -143,16 +152,18 @@ class CudaWorkspace(Workspace):
     def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
         out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
-        stream of its own, every flag of this rank's pad that a wait was enqueued on is set, so
-        no stream stays stuck (a device-side error alone leaves a
-        front-end wait, and every synchronize, hanging), then a device-side assert fires,
-        microseconds later, long before the work after a wait can finish. Every later CUDA call
-        in the process raises."""
+        stream of its own, every flag of this rank's pad that an eager wait was enqueued on is
+        set to the value last awaited there, then the flags of this rank's waits in the caller's
+        graphs to the values they await (beacons.release_pairs), so no stream stays
+        stuck (a device-side error alone leaves a front-end wait, and every synchronize,
+        hanging); then a device-side assert fires, microseconds later, long before the work after
+        a wait can finish. Every later CUDA call in the process raises."""
         if self._abort is None:
             return
         stream, false = self._abort
         if self._ops is not None:
-            for address, value in list(self._awaited.items()):
+            pairs = list(self._awaited.items()) + (self.beacons.release_pairs(self) if self.beacons is not None else [])
+            for address, value in pairs:
                 self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
@@ -182,7 +193,7 @@ class CudaWorkspace(Workspace):
             if self.beacons is None:
                 return False
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-            self._site = self.beacons.enter(stream, self.op, what, peer, seconds)
+            self._site = self.beacons.enter(stream, self, self.op, what, peer, seconds)
             return True
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
@@ -212,6 +223,8 @@ class CudaWorkspace(Workspace):
         base = flags.data_ptr()
         for i in range(flags.numel()):
             self._awaited[base + 4 * i] = value
+            if self._site is not None:
+                self.beacons.awaits(self._site, base + 4 * i, value)
 
     def wait_value(self, word: torch.Tensor, value: int, reset: bool) -> None:
         """The current stream waits until `word` (one 32-bit device word) equals `value`, a stream
@@ -224,6 +237,8 @@ class CudaWorkspace(Workspace):
 
     def _wait_reset(self, stream: int, address: int, value: int = SIGNAL_VALUE) -> None:
         self._awaited[address] = value
+        if self._site is not None:
+            self.beacons.awaits(self._site, address, value)
         self._ops.wait(stream, address, value)
         self._ops.write(stream, address, 0)
 

@@ -108,9 +108,10 @@ def _stuck(ws: Any, now: float | None) -> tuple[Any, str | None]:
     p = _waiting(ws)
     message = _check(ws, p, now)
     if message is None and getattr(ws, "beacons", None) is not None:
-        p = ws.beacons.stuck(now)
+        p = ws.beacons.stuck(ws, now)
         if p is not None:
-            message = _message(ws, p, time.monotonic() if now is None else now, " (in a CUDA graph the caller captured)")
+            now = time.monotonic() if now is None else now
+            message = _message(ws, p, f"in a CUDA graph the caller captured, seen waiting for {now - p.issued:.0f} s")
     return p, message
 
 
@@ -139,15 +140,15 @@ def _check(ws: Any, p: Any, now: float | None) -> str | None:
     if now - p.issued <= p.timeout:
         return None
     _forget(ws, p)
-    return _message(ws, p, now, "")
+    return _message(ws, p, f"enqueued {now - p.issued:.0f} s ago")
 
 
-def _message(ws: Any, p: Any, now: float, where: str) -> str:
+def _message(ws: Any, p: Any, when: str) -> str:
     source = f"from rank {p.peer}" if p.peer is not None else "from every rank of the group"
     hint = f"is rank {p.peer} alive" if p.peer is not None else "are all ranks alive"
     message = (
         f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the GPU has waited over "
-        f"{p.timeout:g} s for {p.what} {source}{where} (enqueued {now - p.issued:.0f} s ago); the "
+        f"{p.timeout:g} s for {p.what} {source} ({when}); the "
         f"device-side wait will now abort this process with a CUDA error. {hint.capitalize()} and "
         f"running the same ops in the same order? (ASYNCTP_TIMEOUT sets the limit)"
     )

@@ -36,19 +36,18 @@ def test_ops_on_two_streams_are_serialized(pool):
     pool.run(cases_reliability.ops_on_two_streams)
 
 
-@pytest.mark.parametrize("signals", ["streamops", "torch", "streamops-replay", "streamops-caller"])
+@pytest.mark.parametrize("signals", ["streamops", "torch", "streamops-replay"])
 @pytest.mark.parametrize("op", ["ag", "rs", "rs-avg"])
 def test_stuck_device_wait_is_named_before_the_trap(op, signals, monkeypatch):
     # streamops: the GPU's front end waits and the watchdog aborts the context; torch: torch's
     # wait kernel traps on its own timeout; streamops-replay: the stuck call is a replay of
     # asynctp's CUDA graph, whose waits the watchdog knows only as "the replay's". rs-avg: the
     # reduction after the wait is the fp32 accumulation that 4 ranks use for a sum (its kernels'
-    # first launch after a stuck wait hung 4xH200 before they were loaded up front). streamops-caller:
-    # the stuck call is a replay of a graph the test captured, watched through its waits' beacons
+    # first launch after a stuck wait hung 4xH200 before they were loaded up front)
     pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
     try:
         outcomes = pool.run_outcomes(cases_reliability.peer_skips_op_cuda, op, signals.endswith("-replay"),
-                                     signals.startswith("torch"), signals.endswith("-caller"))
+                                     signals.startswith("torch"))
     finally:
         pool.close()
     kind, message = outcomes[0]
@@ -58,9 +57,27 @@ def test_stuck_device_wait_is_named_before_the_trap(op, signals, monkeypatch):
              "synchronize raised"]
     if signals.endswith("-replay"):
         parts += ["CUDA-graph replay", "| replayed"]
-    if signals.endswith("-caller"):
-        parts += ["barrier channel 0", "in a CUDA graph the caller captured", "| caller graph"]
     for part in parts:
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ag-fused"])
+def test_stuck_wait_in_a_callers_graph_is_named_then_released(op):
+    """The stuck call is a replay of a CUDA graph the test captured (the op, then the other op):
+    its waits are watched through their beacons; the abort releases the stuck barrier with the
+    signature it awaits (not the later op's), so the synchronize raises instead of hanging.
+    ag-fused: the single-launch GEMM's kernel spins in the graph too."""
+    pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
+    try:
+        outcomes = pool.run_outcomes(cases_reliability.peer_skips_op_cuda, op, False, False, True)
+    finally:
+        pool.close()
+    kind, message = outcomes[0]
+    assert kind == "ok", outcomes[0]
+    name = "all_gather_matmul" if op.startswith("ag") else "matmul_reduce_scatter"
+    for part in (f"asynctp {name}", "rank 0 of group", "the GPU has waited over 3 s for barrier channel 0 with the "
+                 "signature", "in a CUDA graph the caller captured, seen waiting for", "synchronize raised",
+                 "| caller graph, beacons"):
         assert part in message, (part, message)
 
 

@@ -134,8 +134,9 @@ def test_a_callers_capture_brackets_each_stream_wait_with_its_beacon(monkeypatch
     from asynctp.symm.beacons import Beacons
 
     ops = RecordingOps()
-    b = Beacons(torch.zeros(4, dtype=torch.int32), ops.write)
-    beacon = lambda slot: b.words.data_ptr() + 4 * slot  # noqa: E731
+    b = Beacons(torch.zeros(8, dtype=torch.int32), ops.write)  # 4 waits: up words, then marks
+    up = lambda slot: b.words.data_ptr() + 4 * slot  # noqa: E731
+    mark = lambda slot: b.words.data_ptr() + 4 * (4 + slot)  # noqa: E731
     ws, cuda = fake_workspace(monkeypatch, rank=0, world=2, capturing=True, beacons=b)
     ws._ops = ops
     assert ws.uses_stream_ops()
@@ -144,12 +145,43 @@ def test_a_callers_capture_brackets_each_stream_wait_with_its_beacon(monkeypatch
     # the flag that rank `src` sets for (kind, channel) in rank `pad`'s signal pad
     flag = lambda pad, kind, channel, src: 1000 * (pad + 1) + 4 * ((kind * cuda.FLAG_CHANNELS + channel) * 2 + src)  # noqa: E731
     assert ops.calls == [
-        ("write", beacon(0), 1), ("write", flag(1, 0, 1, 0), 1),
-        ("wait", flag(0, 0, 1, 1), 1), ("write", flag(0, 0, 1, 1), 0), ("write", beacon(0), 0),
-        ("write", beacon(1), 1), ("wait", flag(0, 1, 3, 1), 1), ("write", flag(0, 1, 3, 1), 0), ("write", beacon(1), 0),
+        ("write", mark(0), 0), ("write", up(0), 1), ("write", flag(1, 0, 1, 0), 1),
+        ("wait", flag(0, 0, 1, 1), 1), ("write", flag(0, 0, 1, 1), 0), ("write", up(0), 0),
+        ("write", mark(1), 0), ("write", up(1), 1),
+        ("wait", flag(0, 1, 3, 1), 1), ("write", flag(0, 1, 3, 1), 0), ("write", up(1), 0),
     ]
     assert ws.pending is None and [b.sites[i].what for i in (0, 1)] == ["barrier channel 1", "signal channel 3"]
-    assert b.sites[1].peer == 1 and b.sites[0].op == "test"
+    assert b.sites[1].peer == 1 and b.sites[0].op == "test" and b.sites[0].owner() is ws
+    assert b.sites[0].awaited == [(flag(0, 0, 1, 1), 1)] and b.sites[1].awaited == [(flag(0, 1, 3, 1), 1)]
+
+
+def test_an_abort_releases_a_captured_wait_with_the_value_it_awaits(monkeypatch):
+    """Two ops in one caller's graph: each opening barrier awaits its own call's signature on the
+    same flags. A rank stuck at the first one is left with the first signature, not with the last
+    one enqueued there."""
+    import contextlib
+
+    from asynctp.symm.beacons import Beacons
+
+    ops = RecordingOps()
+    b = Beacons(torch.zeros(8, dtype=torch.int32), ops.write)
+    ws, cuda = fake_workspace(monkeypatch, rank=0, world=2, capturing=True, beacons=b)
+    ws._ops = ops
+    for signature in (0x1111, 0x2222):
+        ws.signature = signature
+        ws.barrier(channel=0)
+    flag = 1000 + 4 * 1  # rank 1's flag of barrier channel 0 in rank 0's pad
+    b.words[0] = 1  # a replay is stuck at the first barrier
+    assert ws._awaited == {flag: 0x2222}
+    asserted = []
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "_assert_async", lambda t: asserted.append(True))
+    ws._abort = (SimpleNamespace(cuda_stream=9), None)
+    ops.calls.clear()
+    ws.abort_device()
+    # eager waits' values, every captured wait's, then the stuck one's again: it is left awaited
+    assert ops.calls == [("write", flag, 0x2222), ("write", flag, 0x1111), ("write", flag, 0x2222),
+                         ("write", flag, 0x1111)] and asserted == [True]
 
 
 def test_a_driver_error_raises_naming_the_call():

@@ -2,6 +2,9 @@
 
 from types import SimpleNamespace
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
@@ -131,11 +134,12 @@ def test_lanes_count_ops_and_an_abandoned_op_settles():
     assert lanes.started == lanes.joined == 2
 
 
-def fake_beacons(words: int = 8):
+
+def fake_beacons(waits: int = 8):
     """Beacons over a plain CPU tensor, whose "stream writes" land at once."""
     from asynctp.symm.beacons import Beacons
 
-    t = torch.zeros(words, dtype=torch.int32)
+    t = torch.zeros(2 * waits, dtype=torch.int32)
     base = t.data_ptr()
 
     def write(stream, address, value):
@@ -144,52 +148,94 @@ def fake_beacons(words: int = 8):
     return Beacons(t, write)
 
 
-def test_a_captured_wait_up_at_every_sample_past_its_timeout_is_named_and_aborted(capsys):
+class Workspace(SimpleNamespace):
+    """A fake workspace that beacons can refer to weakly."""
+
+
+def beacon_ws(b):
+    ws = Workspace(**vars(fake_ws(False, None)))
+    ws.beacons, ws.aborts = b, []
+    ws.abort_device = lambda: ws.aborts.append(b.release_pairs(ws))
+    return ws
+
+
+def test_a_captured_wait_up_in_one_pass_past_its_timeout_is_named_and_aborted(capsys):
     b = fake_beacons()
-    b.leave(0, b.enter(0, "all_gather_matmul", "barrier channel 1", None, 5.0))  # passed
-    slot = b.enter(0, "matmul_reduce_scatter", lambda: "signal channel 3", 1, 5.0)
-    ws = fake_ws(False, None)
-    ws.beacons, aborts = b, []
-    ws.abort_device = lambda: aborts.append(True)
-    for t in (100.0, 102.0, 104.0):
+    ws = beacon_ws(b)
+    b.leave(0, b.enter(0, ws, "all_gather_matmul", "barrier channel 1", None, 5.0))  # passed
+    slot = b.enter(0, ws, "matmul_reduce_scatter", lambda: "signal channel 3", 1, 5.0)
+    b.awaits(slot, 4096, 1)
+    for t in (100.0, 102.0, 104.0):  # the first sample marks the pass, the others find the mark
         assert watchdog.report(ws, now=t) is None
-    message = watchdog.report(ws, now=105.5)
+    message = watchdog.report(ws, now=106.0)
     for part in ("asynctp matmul_reduce_scatter", "rank 1", "signal channel 3 from rank 1",
-                 "in a CUDA graph the caller captured", "over 5 s", "enqueued 6 s ago"):
+                 "in a CUDA graph the caller captured, seen waiting for 6 s", "over 5 s"):
         assert part in message, (part, message)
-    assert aborts == [True] and message in capsys.readouterr().err
+    # every captured wait released with what it awaits, the stuck one last
+    assert ws.aborts == [[(4096, 1), (4096, 1)]] and message in capsys.readouterr().err
     assert watchdog.report(ws, now=120.0) is None  # named once
-    assert b.words[slot] == 1
 
 
-def test_a_captured_wait_seen_down_at_one_sample_starts_over():
-    # replays in a loop: the wait passes between samples, its beacon is down at some sample
+def test_each_pass_of_a_replayed_wait_is_timed_on_its_own():
+    # replays back to back: the wait is up at every sample, but each pass clears the mark
     b = fake_beacons()
-    slot = b.enter(0, "all_gather_matmul", "barrier channel 0", None, 5.0)
-    assert b.stuck(now=100.0) is None
-    b.leave(0, slot)
-    assert b.stuck(now=103.0) is None
-    b.words[slot] = 1  # the next replay reaches the wait
-    assert b.stuck(now=104.0) is None and b.stuck(now=108.0) is None
-    p = b.stuck(now=109.5)
+    ws = beacon_ws(b)
+    slot = b.enter(0, ws, "all_gather_matmul", "barrier channel 0", None, 5.0)
+    up, mark = b.words[slot:slot + 1], b.words[8 + slot:9 + slot]
+    for t in range(100, 130):
+        assert b.stuck(ws, now=float(t)) is None
+        up[0], mark[0], up[0] = 0, 0, 1  # the GPU leaves the wait and reaches it again
+    assert b.stuck(ws, now=130.0) is None and b.stuck(ws, now=135.5) is not None  # one pass: 130 to 135.5
+
+
+def test_a_wait_seen_down_starts_over_and_other_workspaces_are_not_named():
+    b = fake_beacons()
+    ws, other = beacon_ws(b), beacon_ws(b)
+    slot = b.enter(0, ws, "all_gather_matmul", "barrier channel 0", None, 5.0)
+    b.enter(0, other, "all_gather_matmul", "barrier channel 0", None, 5.0)
+    assert b.stuck(ws, now=100.0) is None
+    b.words[slot] = 0  # passed; the next pass has not come yet
+    assert b.stuck(ws, now=103.0) is None
+    b.words[8 + slot], b.words[slot] = 0, 1
+    assert b.stuck(ws, now=104.0) is None and b.stuck(ws, now=108.0) is None
+    p = b.stuck(ws, now=109.5)
     assert p is not None and p.issued == 104.0 and p.abort and p.what == "barrier channel 0"
+    assert b.stuck(other, now=100.0) is None and b.stuck(other, now=200.0) is not None  # its own clock
 
 
 def test_beacons_reuse_the_oldest_words_when_full():
-    b = fake_beacons(words=2)
-    assert [b.enter(0, "op", f"wait {i}", None, 1.0) for i in range(3)] == [0, 1, 0]
+    b = fake_beacons(waits=2)
+    ws = beacon_ws(b)
+    with pytest.warns(RuntimeWarning, match="share beacons with the oldest"):
+        assert [b.enter(0, ws, "op", f"wait {i}", None, 1.0) for i in range(3)] == [0, 1, 0]
     assert b.wrapped and b.sites[0].what == "wait 2"
 
 
 def test_no_beacons_where_a_stream_write_cannot_reach_pinned_memory(monkeypatch):
     from asynctp.symm import beacons
 
-    def failing_write(stream, address, value):
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: real_zeros(*a, **k))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: SimpleNamespace(cuda_stream=7, synchronize=lambda: None))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(beacons, "_pools", {})
+    device = torch.device("cuda", 0)
+
+    def failing(stream, address, value):
         raise RuntimeError("cuStreamWriteValue32 failed with CUresult 1")
 
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    made, why = beacons.make(failing_write, torch.device("cuda", 0))
-    assert made is None and why.startswith("stream writes to pinned host memory failed"), why
+    made, why = beacons.for_device(failing, device)
+    assert made is None and why == "stream writes to pinned host memory failed (cuStreamWriteValue32 failed with CUresult 1)"
+    made, why = beacons.for_device(lambda stream, address, value: None, device)  # the write never lands
+    assert made is None and why == "a stream write to pinned host memory read back 0, not 1"
+
+    def lands(stream, address, value):
+        torch.from_numpy(np.ctypeslib.as_array((ctypes.c_int32 * 1).from_address(address)))[0] = value
+
+    made, why = beacons.for_device(lands, device)
+    assert made is not None and why is None and int(made.words[0]) == 0  # the probe's word set back
+    assert beacons.for_device(failing, device)[0] is made  # one per device, kept
+    monkeypatch.setattr(beacons, "_pools", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    made, why = beacons.make(failing_write, torch.device("cuda", 0))
+    made, why = beacons.for_device(lands, device)
     assert made is None and "asynctp.reserve" in why, why
