@@ -13,7 +13,7 @@ process raises instead of hanging.
 
 A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as one wait, "the
 barriers and signals of a CUDA-graph replay", with the same abort. A wait in a graph the caller
-captured is watched through its beacon (beacons.py: a word of pinned memory the graph sets while
+captured is watched through its beacon (beacons.py: words of pinned memory the graph sets while
 the GPU waits there), with the same message and abort; without beacons, torch's kernels are used
 there, which trap on their own. Verified on GPUs by
 tests/gpu/test_reliability.py::test_stuck_device_wait_is_named_before_the_trap; the logic is
