@@ -120,20 +120,20 @@ class Beacons:
                 return p
         return None
 
-    def release_pairs(self, owner) -> list[tuple[int, int]]:
-        """The (address, value) pairs that release `owner`'s captured waits: every wait's (the
-        ones after a stuck wait in its graph must not stop the stream again before the abort's
-        assert lands), then again those of the waits up now, so that a flag several waits share
-        with different values (the opening barriers of different ops: each awaits its call's
-        signature) is left with the value awaited there now."""
-        pairs, now_up = [], []
+    def release_pairs(self, owner) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The (address, value) pairs that release `owner`'s captured waits: (every wait's, those
+        of the waits up now). Every wait's, since the ones after a stuck wait in its graph must not
+        stop the stream again before the abort's assert lands; those up now written last, since a
+        flag that several waits share with different values (the opening barriers of different
+        ops: each awaits its call's signature) must be left with the value awaited there now."""
+        every, now_up = [], []
         up = set(self._up_slots())
         for slot, site in enumerate(self.sites):
             if site is not None and site.owner() is owner:
-                pairs.extend(site.awaited)
+                every.extend(site.awaited)
                 if slot in up:
                     now_up.extend(site.awaited)
-        return pairs + now_up
+        return every, now_up
 
 
 def for_device(write, device: torch.device) -> tuple[Beacons | None, str | None]:

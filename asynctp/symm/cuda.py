@@ -152,18 +152,19 @@ class CudaWorkspace(Workspace):
     def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
         out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
-        stream of its own, every flag of this rank's pad that an eager wait was enqueued on is
-        set to the value last awaited there, then the flags of this rank's waits in the caller's
-        graphs to the values they await (beacons.release_pairs), so no stream stays
-        stuck (a device-side error alone leaves a front-end wait, and every synchronize,
-        hanging); then a device-side assert fires, microseconds later, long before the work after
-        a wait can finish. Every later CUDA call in the process raises."""
+        stream of its own, the flags of this rank's waits in the caller's graphs are set to the
+        values they await (beacons.release_pairs), then every flag of this rank's pad that an
+        eager wait was enqueued on to the value last awaited there, then the flags of the
+        captured waits up now again (a flag several waits share keeps the value awaited now), so
+        no stream stays stuck (a device-side error alone leaves a front-end wait, and every
+        synchronize, hanging); then a device-side assert fires, microseconds later, long before
+        the work after a wait can finish. Every later CUDA call in the process raises."""
         if self._abort is None:
             return
         stream, false = self._abort
         if self._ops is not None:
-            pairs = list(self._awaited.items()) + (self.beacons.release_pairs(self) if self.beacons is not None else [])
-            for address, value in pairs:
+            every, now_up = self.beacons.release_pairs(self) if self.beacons is not None else ([], [])
+            for address, value in every + list(self._awaited.items()) + now_up:
                 self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)

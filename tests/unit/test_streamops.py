@@ -179,9 +179,13 @@ def test_an_abort_releases_a_captured_wait_with_the_value_it_awaits(monkeypatch)
     ws._abort = (SimpleNamespace(cuda_stream=9), None)
     ops.calls.clear()
     ws.abort_device()
-    # eager waits' values, every captured wait's, then the stuck one's again: it is left awaited
-    assert ops.calls == [("write", flag, 0x2222), ("write", flag, 0x1111), ("write", flag, 0x2222),
+    # every captured wait's value, the eager waits', then the stuck one's again: it is left awaited
+    assert ops.calls == [("write", flag, 0x1111), ("write", flag, 0x2222), ("write", flag, 0x2222),
                          ("write", flag, 0x1111)] and asserted == [True]
+    b.words[0] = 0  # no captured wait up (an eager one is stuck): the eager values are left
+    ops.calls.clear()
+    ws.abort_device()
+    assert ops.calls[-1] == ("write", flag, 0x2222)
 
 
 def test_a_driver_error_raises_naming_the_call():

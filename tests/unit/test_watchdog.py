@@ -155,7 +155,7 @@ class Workspace(SimpleNamespace):
 def beacon_ws(b):
     ws = Workspace(**vars(fake_ws(False, None)))
     ws.beacons, ws.aborts = b, []
-    ws.abort_device = lambda: ws.aborts.append(b.release_pairs(ws))
+    ws.abort_device = lambda: ws.aborts.append(b.release_pairs(ws))  # (every captured wait's, those up)
     return ws
 
 
@@ -172,7 +172,7 @@ def test_a_captured_wait_up_in_one_pass_past_its_timeout_is_named_and_aborted(ca
                  "in a CUDA graph the caller captured, seen waiting for 6 s", "over 5 s"):
         assert part in message, (part, message)
     # every captured wait released with what it awaits, the stuck one last
-    assert ws.aborts == [[(4096, 1), (4096, 1)]] and message in capsys.readouterr().err
+    assert ws.aborts == [([(4096, 1)], [(4096, 1)])] and message in capsys.readouterr().err
     assert watchdog.report(ws, now=120.0) is None  # named once
 
 
