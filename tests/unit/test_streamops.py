@@ -209,3 +209,32 @@ def test_flags_take_the_end_of_the_pad_and_leave_torchs_channels_alone(monkeypat
     assert region is None and "too small for 16 ranks" in why
     monkeypatch.setattr(cuda, "TORCH_SIGNALS", True)
     assert cuda._flag_region(handle, 2) == (None, "asynctp.symm.cuda.TORCH_SIGNALS is set")
+
+
+@pytest.mark.parametrize("peers_have", [True, False])
+def test_the_ranks_of_a_group_agree_on_beacons(monkeypatch, peers_have):
+    """A rank without beacons would wait on torch's kernels in a caller's capture while its peers
+    wait on the stream-operation flags: every rank has them or none does."""
+    import warnings
+
+    ws, cuda = fake_workspace(monkeypatch, rank=0, world=3)
+    mine = object()
+    monkeypatch.setattr(cuda.beacons, "for_device", lambda write, device: (mine, None))
+    exchanged = []
+
+    def exchange(group, op, value, tag=None):
+        exchanged.append((value, tag))
+        return [value, peers_have, True]
+
+    monkeypatch.setattr(cuda, "exchange", exchange)
+    monkeypatch.setattr(cuda, "warn_once", lambda key, message: warnings.warn(message, RuntimeWarning))
+    ws.group = None
+    if peers_have:
+        ws._agree_beacons()
+        assert ws.beacons is mine
+    else:
+        with pytest.warns(RuntimeWarning, match=r"torch's signal kernels .*\(ranks \[1\] of the group have none\)"):
+            ws._agree_beacons()
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert ws.beacons is None and not ws.uses_stream_ops()  # a caller's capture: torch's kernels
+    assert exchanged == [(True, "beacons")]
