@@ -16,7 +16,7 @@ wait's timeout is stuck. (A sample that reads "up" just before the GPU leaves an
 wait and then sets the mark can take the new pass for the old one by less than one sampling
 period: a wait is named at most that much early, never for a pass shorter than its timeout less
 that.) The watchdog then names the op, the rank and what the wait awaited, writes into the flags
-of the rank's captured waits the values they await (release_pairs), and aborts the context, as
+of the process's captured waits the values they await (release_pairs), and aborts the context, as
 for an eager stream wait.
 
 The words are the process's, per device, and never freed: a graph may outlive the workspace whose
@@ -120,20 +120,26 @@ class Beacons:
                 return p
         return None
 
-    def release_pairs(self, owner) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The (address, value) pairs that release `owner`'s captured waits: (every wait's, those
-        of the waits up now). Every wait's, since the ones after a stuck wait in its graph must not
-        stop the stream again before the abort's assert lands; those up now written last, since a
-        flag that several waits share with different values (the opening barriers of different
-        ops: each awaits its call's signature) must be left with the value awaited there now."""
+    def release_pairs(self, owners) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The (address, value) pairs that release the captured waits of `owners` (workspaces):
+        (every wait's, those of the waits up now). Every wait's, since the ones after a stuck wait
+        in its graph must not stop the stream again before the abort's assert lands; those up now
+        apart, to be written last (see CudaWorkspace.abort_device)."""
         every, now_up = [], []
         up = set(self._up_slots())
         for slot, site in enumerate(self.sites):
-            if site is not None and site.owner() is owner:
+            if site is not None and any(site.owner() is owner for owner in owners):
                 every.extend(site.awaited)
                 if slot in up:
                     now_up.extend(site.awaited)
         return every, now_up
+
+    def forget(self, owner) -> None:
+        """Drop the captured waits of `owner`: its flags moved (a grown workspace), the graphs
+        that hold them are stale, and an abort must not write where they were."""
+        for slot, site in enumerate(self.sites):
+            if site is not None and site.owner() is owner:
+                self.sites[slot] = None
 
 
 def for_device(write, device: torch.device) -> tuple[Beacons | None, str | None]:

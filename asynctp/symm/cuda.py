@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -50,6 +51,8 @@ from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Workspace
 
 __all__ = ["CudaWorkspace"]
+
+_live: weakref.WeakSet = weakref.WeakSet()  # this process's workspaces (an abort releases the waits of all)
 
 # True: torch's signal kernels even in eager mode (a debugging switch, not a setting)
 TORCH_SIGNALS = False
@@ -91,12 +94,15 @@ class CudaWorkspace(Workspace):
         self._grow(1 << 20)
         self._agree_beacons()
         # made now: when the watchdog needs them, this process's streams may all be stuck
-        self._abort = (torch.cuda.Stream(self.device), torch.zeros((), dtype=torch.bool, device=self.device))
+        # (high priority: the assert's kernel gets SMs before a released persistent GEMM's next tiles)
+        self._abort = (torch.cuda.Stream(self.device, priority=-1),
+                       torch.zeros((), dtype=torch.bool, device=self.device))
         # and the assert's kernel loaded now: CUDA loads a kernel at its first launch
         # (CUDA_MODULE_LOADING=LAZY, torch's default), and a load while a wait is stuck blocks
         with torch.cuda.stream(self._abort[0]):
             torch._assert_async(torch.ones((), dtype=torch.bool, device=self.device))
         watchdog.watch(self)
+        _live.add(self)
 
     def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -112,6 +118,8 @@ class CudaWorkspace(Workspace):
         self._tensor, self._handle = tensor, handle
         self.nbytes = nbytes
         self._awaited = {}  # a fresh signal pad is zeroed
+        if self.beacons is not None:
+            self.beacons.forget(self)  # graphs captured before are stale: their flags are the old pad's
         self._flags, why = _flag_region(handle, self.world_size)
         self._ops = streamops.load() if self._flags is not None else None
         if self._ops is None:
@@ -152,19 +160,24 @@ class CudaWorkspace(Workspace):
     def abort_device(self) -> None:
         """Kill this process's CUDA context, as torch's signal kernels do when their wait times
         out: the watchdog calls this for a stream wait, which has no timeout of its own. On a
-        stream of its own, the flags of this rank's waits in the caller's graphs are set to the
-        values they await (beacons.release_pairs), then every flag of this rank's pad that an
-        eager wait was enqueued on to the value last awaited there, then the flags of the
-        captured waits up now again (a flag several waits share keeps the value awaited now), so
-        no stream stays stuck (a device-side error alone leaves a front-end wait, and every
-        synchronize, hanging); then a device-side assert fires, microseconds later, long before
-        the work after a wait can finish. Every later CUDA call in the process raises."""
+        stream of its own, every flag that a wait of this process's workspaces on this device
+        was enqueued on is set, so that no stream stays stuck (a device-side error alone leaves
+        a front-end wait, and every synchronize, hanging); then a device-side assert fires,
+        microseconds later, long before the work after a wait can finish. Every later CUDA call
+        in the process raises. The flags and their values: those of the waits in the caller's
+        graphs that are up now (beacons.py), of every wait in those graphs, of every eager wait
+        (the value last awaited there), then of the waits up now again, so that a flag several
+        waits share with different values (the opening barriers of different ops: each awaits its
+        call's signature) is left with the value awaited there now."""
         if self._abort is None:
             return
         stream, false = self._abort
         if self._ops is not None:
-            every, now_up = self.beacons.release_pairs(self) if self.beacons is not None else ([], [])
-            for address, value in every + list(self._awaited.items()) + now_up:
+            workspaces = [self] + [ws for ws in list(_live) if ws is not self and ws.device == self.device
+                                   and ws._ops is not None]
+            every, now_up = self.beacons.release_pairs(workspaces) if self.beacons is not None else ([], [])
+            eager = [pair for ws in workspaces for pair in ws._awaited.items()]
+            for address, value in now_up + every + eager + now_up:
                 self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
@@ -196,6 +209,7 @@ class CudaWorkspace(Workspace):
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
             self._site = self.beacons.enter(stream, self, self.op, what, peer, seconds)
             return True
+        self._site = None  # (one a failed capture left open)
         self.pending = watchdog.Pending(self.op, what, peer, seconds, abort=self._ops is not None)
         return self._ops is not None
 
@@ -223,9 +237,7 @@ class CudaWorkspace(Workspace):
         self._watch(what, None, self._timeout(None))
         base = flags.data_ptr()
         for i in range(flags.numel()):
-            self._awaited[base + 4 * i] = value
-            if self._site is not None:
-                self.beacons.awaits(self._site, base + 4 * i, value)
+            self._awaited_by(base + 4 * i, value)
 
     def wait_value(self, word: torch.Tensor, value: int, reset: bool) -> None:
         """The current stream waits until `word` (one 32-bit device word) equals `value`, a stream
@@ -236,10 +248,16 @@ class CudaWorkspace(Workspace):
             self._ops.write(stream, word.data_ptr(), 0)
         self._leave()
 
-    def _wait_reset(self, stream: int, address: int, value: int = SIGNAL_VALUE) -> None:
-        self._awaited[address] = value
+    def _awaited_by(self, address: int, value: int) -> None:
+        """The wait being enqueued waits until the word at `address` equals `value`: what the
+        abort writes to release it (a wait captured in a caller's graph: its beacon's, only)."""
         if self._site is not None:
             self.beacons.awaits(self._site, address, value)
+        else:
+            self._awaited[address] = value
+
+    def _wait_reset(self, stream: int, address: int, value: int = SIGNAL_VALUE) -> None:
+        self._awaited_by(address, value)
         self._ops.wait(stream, address, value)
         self._ops.write(stream, address, 0)
 

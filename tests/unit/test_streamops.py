@@ -158,7 +158,7 @@ def test_a_callers_capture_brackets_each_stream_wait_with_its_beacon(monkeypatch
 def test_an_abort_releases_a_captured_wait_with_the_value_it_awaits(monkeypatch):
     """Two ops in one caller's graph: each opening barrier awaits its own call's signature on the
     same flags. A rank stuck at the first one is left with the first signature, not with the last
-    one enqueued there."""
+    one enqueued there, nor with an eager call's."""
     import contextlib
 
     from asynctp.symm.beacons import Beacons
@@ -171,21 +171,25 @@ def test_an_abort_releases_a_captured_wait_with_the_value_it_awaits(monkeypatch)
         ws.signature = signature
         ws.barrier(channel=0)
     flag = 1000 + 4 * 1  # rank 1's flag of barrier channel 0 in rank 0's pad
+    assert ws._awaited == {} and [b.sites[i].awaited for i in (0, 1)] == [[(flag, 0x1111)], [(flag, 0x2222)]]
+    ws._awaited = {flag: 0x3333}  # an eager call's opening barrier
     b.words[0] = 1  # a replay is stuck at the first barrier
-    assert ws._awaited == {flag: 0x2222}
     asserted = []
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch, "_assert_async", lambda t: asserted.append(True))
     ws._abort = (SimpleNamespace(cuda_stream=9), None)
     ops.calls.clear()
     ws.abort_device()
-    # every captured wait's value, the eager waits', then the stuck one's again: it is left awaited
-    assert ops.calls == [("write", flag, 0x1111), ("write", flag, 0x2222), ("write", flag, 0x2222),
-                         ("write", flag, 0x1111)] and asserted == [True]
-    b.words[0] = 0  # no captured wait up (an eager one is stuck): the eager values are left
+    # the stuck wait's value, every captured wait's, the eager waits', the stuck wait's again
+    assert ops.calls == [("write", flag, v) for v in (0x1111, 0x1111, 0x2222, 0x3333, 0x1111)] and asserted == [True]
+    b.words[0] = 0  # no captured wait up (an eager one is stuck): the eager value is left
     ops.calls.clear()
     ws.abort_device()
-    assert ops.calls[-1] == ("write", flag, 0x2222)
+    assert ops.calls[-1] == ("write", flag, 0x3333)
+    b.forget(ws)  # the workspace grew: its captured flags are stale, an abort leaves them alone
+    ops.calls.clear()
+    ws.abort_device()
+    assert ops.calls == [("write", flag, 0x3333)]
 
 
 def test_a_driver_error_raises_naming_the_call():

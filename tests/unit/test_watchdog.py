@@ -155,7 +155,7 @@ class Workspace(SimpleNamespace):
 def beacon_ws(b):
     ws = Workspace(**vars(fake_ws(False, None)))
     ws.beacons, ws.aborts = b, []
-    ws.abort_device = lambda: ws.aborts.append(b.release_pairs(ws))  # (every captured wait's, those up)
+    ws.abort_device = lambda: ws.aborts.append(b.release_pairs([ws]))  # (every captured wait's, those up)
     return ws
 
 
