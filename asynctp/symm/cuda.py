@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -51,8 +50,6 @@ from asynctp.symm.rendezvous import exchange
 from asynctp.symm.workspace import Workspace
 
 __all__ = ["CudaWorkspace"]
-
-_live: weakref.WeakSet = weakref.WeakSet()  # this process's workspaces (an abort releases the waits of all)
 
 # True: torch's signal kernels even in eager mode (a debugging switch, not a setting)
 TORCH_SIGNALS = False
@@ -102,7 +99,6 @@ class CudaWorkspace(Workspace):
         with torch.cuda.stream(self._abort[0]):
             torch._assert_async(torch.ones((), dtype=torch.bool, device=self.device))
         watchdog.watch(self)
-        _live.add(self)
 
     def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -173,8 +169,8 @@ class CudaWorkspace(Workspace):
             return
         stream, false = self._abort
         if self._ops is not None:
-            workspaces = [self] + [ws for ws in list(_live) if ws is not self and ws.device == self.device
-                                   and ws._ops is not None]
+            workspaces = [self] + [ws for ws in watchdog.watched() if ws is not self and ws.device == self.device
+                                   and getattr(ws, "_ops", None) is not None]
             every, now_up = self.beacons.release_pairs(workspaces) if self.beacons is not None else ([], [])
             eager = [pair for ws in workspaces for pair in ws._awaited.items()]
             for address, value in now_up + every + eager + now_up:
@@ -202,10 +198,8 @@ class CudaWorkspace(Workspace):
         A wait captured into a CUDA graph runs at replay: runtime/graphs.py watches the replay of
         its own graphs; in the caller's, the wait's beacon goes up (closed by _leave)."""
         if torch.cuda.is_current_stream_capturing():
-            if self._ops is None or self.own_capture:
-                return self._ops is not None
-            if self.beacons is None:
-                return False
+            if self.own_capture or not self.uses_stream_ops():  # (asynctp's own capture: the replay is watched)
+                return self.uses_stream_ops()
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
             self._site = self.beacons.enter(stream, self, self.op, what, peer, seconds)
             return True

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Pending", "watch", "check", "report"]
+__all__ = ["Pending", "watch", "watched", "check", "report"]
 
 log = logging.getLogger("asynctp")
 
@@ -72,6 +72,12 @@ def watch(ws: Any) -> None:
         if _thread is None:
             _thread = threading.Thread(target=_run, name="asynctp-watchdog", daemon=True)
             _thread.start()
+
+
+def watched() -> list:
+    """The workspaces watched now (watch), this process's."""
+    with _lock:
+        return list(_watched)
 
 
 def _waiting(ws: Any) -> Any:
@@ -175,7 +181,6 @@ def report(ws: Any, now: float | None = None) -> str | None:
 def _run() -> None:
     while True:
         time.sleep(0.5)
-        with _lock:
-            workspaces = list(_watched)
+        workspaces = watched()
         for ws in workspaces:
             report(ws)
