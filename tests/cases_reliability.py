@@ -24,13 +24,15 @@ def _timed_error(call) -> tuple[str, float]:
 
 
 def _fault_setup(device: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """A 3 s timeout and one call first, so the workspace exists before a fault: (rank, world, a, b)."""
+    """One call first, so the workspace exists before a fault, then a 3 s timeout: (rank, world, a, b).
+    The call runs under the default timeout: fresh processes reach the workspace's creation
+    seconds apart (one rank's CUDA context may come up later)."""
     rank, ws = world()
-    asynctp.set_timeout(3)
     asynctp.reset(dist.group.WORLD)
     a = ints((4 * ws, 8), rank, torch.float32, device)
     b = ints((8, 6), 1, torch.float32, device)
     asynctp.all_gather_matmul(a, [b], 0, dist.group.WORLD, strategy="pipeline")
+    asynctp.set_timeout(3)
     return rank, ws, a, b
 
 

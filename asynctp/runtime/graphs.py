@@ -329,8 +329,7 @@ class GraphCache:
         ws = self.ws
         if ws.lanes.is_cuda:
             ws.lanes.replay(entry.replay)  # ordered after the previous op on ws, as Lanes.fork orders ops
-            if ws.uses_stream_ops():
-                ws.watch_replay(op)
+            ws.watch_replay(op)
         else:
             entry.replay()
         if not captured:  # the replay right after the capture is the capturing call's own

@@ -219,9 +219,11 @@ class CudaWorkspace(Workspace):
 
     def watch_replay(self, op: str) -> None:
         """Tell the watchdog that the GPU now replays a CUDA graph of a call of `op` captured in
-        capturing(): its barriers and signals are watched as one wait, aborted on timeout."""
+        capturing(): its barriers and signals are watched as one wait, named on timeout, and
+        aborted where they are stream memory operations (torch's kernels trap on their own). Every
+        replay is watched: otherwise the watchdog would still hold an earlier call's wait."""
         self.pending = watchdog.Pending(op, "the barriers and signals of a CUDA-graph replay", None,
-                                        self._timeout(None), abort=True)
+                                        self._timeout(None), abort=self.uses_stream_ops())
 
     def watch_device_wait(self, what: str | Callable[[], str], flags: torch.Tensor, value: int = SIGNAL_VALUE) -> None:
         """Tell the watchdog that the GPU now waits until every 32-bit word of `flags` (a device

@@ -12,7 +12,7 @@ stream stays stuck, then a device-side assert), as the kernel would trap: every 
 process raises instead of hanging.
 
 A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as one wait, "the
-barriers and signals of a CUDA-graph replay", with the same abort. A wait in a graph the caller
+barriers and signals of a CUDA-graph replay", with the same abort where they are stream waits. A wait in a graph the caller
 captured is watched through its beacon (beacons.py: words of pinned memory the graph sets while
 the GPU waits there), with the same message and abort; without beacons, torch's kernels are used
 there, which trap on their own. On GPUs: tests/gpu/test_reliability.py's

@@ -120,6 +120,22 @@ def test_a_signal_is_a_set_and_its_wait_resets_it(monkeypatch):
     assert ws.pending.peer == 1
 
 
+@pytest.mark.parametrize("stream_ops", [True, False])
+def test_every_replay_of_asynctps_graph_is_watched(monkeypatch, stream_ops):
+    """A replay replaces the earlier call's wait (else a stuck replay went unnamed, or was named
+    as that call's wait with its timeout); the watchdog aborts it only where its waits are stream
+    memory operations (torch's signal kernels trap on their own)."""
+    ws, _ = fake_workspace(monkeypatch, rank=0)
+    if not stream_ops:
+        ws._ops = None
+        ws._handle = SimpleNamespace(wait_signal=lambda *a, **kw: None)
+    ws.wait_signal(1, channel=3, timeout=120)
+    earlier = ws.pending
+    ws.watch_replay("all_gather_matmul")
+    assert ws.pending is not earlier and ws.pending.op == "all_gather_matmul"
+    assert ws.pending.what == "the barriers and signals of a CUDA-graph replay" and ws.pending.abort is stream_ops
+
+
 def test_asynctps_own_capture_uses_the_stream_ops_and_a_callers_capture_torchs_kernels(monkeypatch):
     ws, _ = fake_workspace(monkeypatch, capturing=True, own_capture=True)
     ws.barrier(channel=0)
