@@ -41,7 +41,8 @@ def test_ops_on_two_streams_are_serialized(pool):
 def test_stuck_device_wait_is_named_before_the_trap(op, signals, monkeypatch):
     # streamops: the GPU's front end waits and the watchdog aborts the context; torch: torch's
     # wait kernel traps on its own timeout; streamops-replay: the stuck call is a replay of
-    # asynctp's CUDA graph, whose waits the watchdog knows only as "the replay's". rs-avg: the
+    # asynctp's CUDA graph, whose waits the watchdog knows only as "the replay's" (so is ag's
+    # stuck call in the other two: the second call of its key, captured and replayed). rs-avg: the
     # reduction after the wait is the fp32 accumulation that 4 ranks use for a sum (its kernels'
     # first launch after a stuck wait hung 4xH200 before they were loaded up front)
     pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
