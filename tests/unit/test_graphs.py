@@ -604,3 +604,19 @@ def test_ready_offers_a_graph_only_where_call_would_replay_it():
     assert cache.ready(key) is entry
     cache.closed = True
     assert cache.ready(key) is None
+
+
+def test_every_replay_on_a_gpu_workspace_is_watched_whatever_its_waits():
+    """A replay tells the watchdog of the op it replays (CudaWorkspace.watch_replay), also where
+    the graph's waits are torch's signal kernels: the watchdog must not keep an earlier call's
+    wait for the replay's."""
+    watched = []
+    lanes = SimpleNamespace(is_cuda=True, replay=lambda replay: replay())
+    WORKSPACES.append(FakeWorkspace(generation=0, lanes=lanes, backend="cuda", uses_stream_ops=lambda: False,
+                                    watch_replay=watched.append))
+    cache = graphs.GraphCache(WORKSPACES[-1], capture=fake_capture, lag=FakeLag(),
+                              memory=graph_memory.GraphMemory(reserved=lambda: 1 << 40))
+    x, w = torch.randn(4, 8), torch.randn(8, 6)
+    for _ in range(4):
+        op(cache, x, w)
+    assert cache.counts["replayed"] == 2 and watched == ["op"] * 3  # the capture's own replay, then two
