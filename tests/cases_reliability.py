@@ -65,15 +65,25 @@ def nonfinite_inputs_raise_everywhere(device: str) -> str:
     return message
 
 
-def _watchdog_log() -> list[str]:
-    """The lines asynctp's logger emits from now on (the watchdog's among them)."""
+def _watchdog_log(context: bool = False) -> list[str]:
+    """The lines asynctp's logger emits from now on (the watchdog's among them). context: each
+    line ends with whether the CUDA context was still alive when it was emitted ("| context
+    alive": the current stream's query did not raise)."""
     import logging
 
     logged: list[str] = []
+    stream = torch.cuda.current_stream() if context else None
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
+            state = ""
+            if stream is not None:
+                try:
+                    stream.query()
+                    state = " | context alive"
+                except Exception:  # noqa: BLE001  (the CUDA error's type varies by release)
+                    state = " | context lost"
+            logged.append(record.getMessage() + state)
 
     logging.getLogger("asynctp").addHandler(Keep())
     return logged
@@ -206,7 +216,7 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     if rank == ws - 1:
         return "skipped"
     workspace = asynctp.get_workspace(dist.group.WORLD, "cuda")
-    logged = _watchdog_log()
+    logged = _watchdog_log(context=torch_signals)  # torch's kernels: named while the context lives
     replays = graphs.stats(workspace)["replayed"]
     # a rank still here after 40 s (the pool gives up at 60) prints where every thread is
     faulthandler.dump_traceback_later(40)

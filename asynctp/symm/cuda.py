@@ -185,8 +185,12 @@ class CudaWorkspace(Workspace):
     def _raw(self, rank: int) -> torch.Tensor:
         return self._bufs[rank]
 
-    def _ms(self, timeout: float | None) -> int:
-        return int(self._timeout(timeout) * 1000)
+    @staticmethod
+    def _trap_ms(seconds: float) -> int:
+        """The timeout of torch's signal kernel for a wait of `seconds`: two of the watchdog's
+        periods longer, so that the watchdog names the wait before the kernel's trap takes the
+        context down (a process that exits on the CUDA error would never print the line)."""
+        return int((seconds + 2 * watchdog.PERIOD) * 1000)
 
     def _check_channel(self, channel: int) -> None:
         # torch's kernels index their flags by channel too: a larger one would reach ours
@@ -282,7 +286,7 @@ class CudaWorkspace(Workspace):
         else:
             what = f"barrier channel {channel}"
         if not self._watch(what, None, seconds):
-            self._handle.barrier(channel=channel, timeout_ms=int(seconds * 1000))
+            self._handle.barrier(channel=channel, timeout_ms=self._trap_ms(seconds))
             return
         # every rank sets its flag in every peer's pad, then waits for each peer's in its own
         ops, (pads, _), rank = self._ops, self._flags, self.rank
@@ -307,7 +311,7 @@ class CudaWorkspace(Workspace):
     def put_signal(self, dst_rank: int, channel: int = 0) -> None:
         self._check_channel(channel)
         if not self.uses_stream_ops():
-            self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._ms(None))
+            self._handle.put_signal(dst_rank, channel=channel, timeout_ms=self._trap_ms(self._timeout(None)))
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         self._ops.write(stream, self._flags[0][dst_rank] + self._flag(1, channel, self.rank), 1)
@@ -316,7 +320,7 @@ class CudaWorkspace(Workspace):
         self._check_channel(channel)
         seconds = self._timeout(timeout)
         if not self._watch(f"signal channel {channel}", src_rank, seconds):
-            self._handle.wait_signal(src_rank, channel=channel, timeout_ms=int(seconds * 1000))
+            self._handle.wait_signal(src_rank, channel=channel, timeout_ms=self._trap_ms(seconds))
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))

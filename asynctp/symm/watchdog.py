@@ -3,12 +3,13 @@
 On the cuda backend a barrier or signal wait is either a stream memory operation (streamops.py:
 the GPU's front end waits, with no timeout of its own) or, where those are missing, torch's kernel
 that spins and traps after its timeout, which kills the CUDA context with an error that names
-nothing. Each wait records, on the host, what it waits for (op, kind, peer, channel, when it was
+nothing (its timeout is the wait's plus two of this thread's periods: the line below comes
+first). Each wait records, on the host, what it waits for (op, kind, peer, channel, when it was
 issued); a daemon thread checks every workspace with a wait in flight and, once a wait is older
 than its timeout while the op's completion event has not fired, writes one line to stderr (and
-the log) naming the op, the rank, the peer and the signal. For a stream wait it then aborts the
-CUDA context itself (CudaWorkspace.abort_device: every awaited flag set, so no
-stream stays stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
+the log) naming the op, the rank, the peer and the signal. For a stream wait it first aborts the
+CUDA context itself (CudaWorkspace.abort_device: every awaited flag set, so no stream stays
+stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
 process raises instead of hanging.
 
 A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as one wait, "the
@@ -57,6 +58,7 @@ class Pending:
         return self._what
 
 
+PERIOD = 0.5  # seconds between the thread's checks
 _watched: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -180,7 +182,7 @@ def report(ws: Any, now: float | None = None) -> str | None:
 
 def _run() -> None:
     while True:
-        time.sleep(0.5)
+        time.sleep(PERIOD)
         workspaces = watched()
         for ws in workspaces:
             report(ws)

@@ -120,6 +120,26 @@ def test_a_signal_is_a_set_and_its_wait_resets_it(monkeypatch):
     assert ws.pending.peer == 1
 
 
+def test_torchs_signal_kernels_trap_after_the_watchdog_named_their_wait(monkeypatch):
+    """Without stream memory operations, a wait is torch's kernel, which traps on its own timeout:
+    it gets two of the watchdog's periods more than the watchdog allows the wait, so the line that
+    names the wait comes before the trap takes the context down."""
+    from asynctp.symm import watchdog
+
+    ws, _ = fake_workspace(monkeypatch, rank=0)
+    ws._ops, calls = None, []
+    ws._handle = SimpleNamespace(**{name: (lambda name: lambda *a, **kw: calls.append((name, kw["timeout_ms"])))(name)
+                                    for name in ("barrier", "put_signal", "wait_signal")})
+    ws.barrier(channel=1, timeout=3)
+    assert ws.pending.timeout == 3 and not ws.pending.abort  # the kernel's own trap aborts
+    ws.wait_signal(1, channel=3, timeout=3)
+    assert ws.pending.timeout == 3
+    ws.put_signal(1, channel=3)
+    trap_ms = int((3 + 2 * watchdog.PERIOD) * 1000)
+    assert calls[:2] == [("barrier", trap_ms), ("wait_signal", trap_ms)] and calls[2][0] == "put_signal"
+    assert calls[2][1] > ws._timeout(None) * 1000
+
+
 @pytest.mark.parametrize("stream_ops", [True, False])
 def test_every_replay_of_asynctps_graph_is_watched(monkeypatch, stream_ops):
     """A replay replaces the earlier call's wait (else a stuck replay went unnamed, or was named
