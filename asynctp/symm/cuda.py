@@ -6,8 +6,10 @@ signals are stream memory operations on flags in the signal pad (streamops.py: n
 microseconds of host time each). asynctp's own graphs (runtime/graphs.py) capture the stream
 operations and the watchdog watches their replays; a graph the caller captures gets them too, each
 wait bracketed by its beacon (beacons.py), through which the watchdog times it. Where the driver
-lacks them, with TORCH_SIGNALS set, and in a caller's capture without beacons: torch's
-stream-ordered signal-pad kernels, which time out on their own, unwatched. Multicast is never used.
+of any rank of the group lacks them (the ranks agree when the workspace grows), with TORCH_SIGNALS
+set, and in a caller's capture without beacons: torch's stream-ordered signal-pad kernels, which
+time out and trap on their own (the watchdog names their eager waits and asynctp's replays of
+them first; in a caller's capture they are unwatched). Multicast is never used.
 
 Flags are set by the peer and reset by their owner after the wait. A flag's next set must come
 after its reset; the pipelines (runtime/pipeline.py) order it so: every op opens with barrier 0, and
@@ -108,7 +110,9 @@ class CudaWorkspace(Workspace):
             # device before the (collective) rendezvous, so once it returns no read is pending.
             torch.cuda.synchronize(self.device)
         tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        exchange(self.group, self.op, nbytes, tag="grow")  # every rank is here (with asynctp's timeout)
+        # every rank is here (with asynctp's timeout), and says whether it has stream memory operations
+        have_ops = not TORCH_SIGNALS and streamops.load() is not None
+        ranks = exchange(self.group, self.op, (nbytes, have_ops), tag="grow")
         handle = _rendezvous(tensor, self.group_name)
         self._bufs = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(self.world_size)]
         self._tensor, self._handle = tensor, handle
@@ -117,9 +121,8 @@ class CudaWorkspace(Workspace):
         if self.beacons is not None:
             self.beacons.forget(self)  # graphs captured before are stale: their flags are the old pad's
         self._flags, why = _flag_region(handle, self.world_size)
-        self._ops = streamops.load() if self._flags is not None else None
+        self._ops, why = _agreed_ops(self._flags is not None, [have for _, have in ranks], why)
         if self._ops is None:
-            why = why or streamops.unavailable_reason()
             warn_once("torch-signal-kernels", f"asynctp: barriers and signals use torch's signal kernels ({why}); each one "
                       "costs more host time and holds an SM while it waits")
 
@@ -325,6 +328,16 @@ class CudaWorkspace(Workspace):
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))
         self._leave()
+
+
+def _agreed_ops(flags: bool, ranks_have: list[bool], why: str | None) -> tuple[streamops.StreamOps | None, str | None]:
+    """(the stream ops, None) where every rank of the group has them and the flags fit, else
+    (None, why): a rank on torch's kernels never sets the flags its peers' stream waits watch."""
+    ops = streamops.load() if flags else None
+    lacking = [r for r, have in enumerate(ranks_have) if not have]
+    if ops is not None and lacking:
+        return None, f"ranks {lacking} of the group have no stream memory operations"
+    return ops, None if ops is not None else (why or streamops.unavailable_reason())
 
 
 def _fields(call: tuple) -> str:

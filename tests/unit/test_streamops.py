@@ -278,3 +278,51 @@ def test_the_ranks_of_a_group_agree_on_beacons(monkeypatch, peers_have):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         assert ws.beacons is None and not ws.uses_stream_ops()  # a caller's capture: torch's kernels
     assert exchanged == [(True, "beacons")]
+
+
+def test_the_ranks_of_a_group_agree_on_stream_operations(monkeypatch):
+    """A rank on torch's kernels never sets the flags its peers' stream waits watch (and sets
+    torch's, which they never read): every rank uses the stream operations or none does."""
+    cuda = pytest.importorskip("asynctp.symm.cuda")
+    ops = object()
+    monkeypatch.setattr(streamops, "load", lambda: ops)
+    assert cuda._agreed_ops(True, [True, True], None) == (ops, None)
+    assert cuda._agreed_ops(True, [True, False, True], None) == (None, "ranks [1] of the group have no stream memory operations")
+    assert cuda._agreed_ops(False, [False, True], "asynctp.symm.cuda.TORCH_SIGNALS is set") == (
+        None, "asynctp.symm.cuda.TORCH_SIGNALS is set")
+    monkeypatch.setattr(streamops, "load", lambda: None)
+    monkeypatch.setattr(streamops, "unavailable_reason", lambda: "no driver")
+    assert cuda._agreed_ops(True, [False, False], None) == (None, "no driver")
+
+
+@pytest.mark.parametrize("peer_has", [True, False])
+def test_a_workspace_agrees_on_stream_operations_when_it_grows(monkeypatch, peer_has):
+    """The grow exchange carries whether each rank has the stream operations; a workspace uses
+    them only where every rank does (the signal pads and the rendezvous are fakes here)."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    ws, cuda = fake_workspace(monkeypatch, rank=0, world=2)
+    ops, exchanged = object(), []
+    monkeypatch.setattr(streamops, "load", lambda: ops)
+    monkeypatch.setattr(symm_mem, "empty", lambda n, dtype, device: torch.empty(n, dtype=dtype))
+    handle = SimpleNamespace(signal_pad_ptrs=[1 << 20, 2 << 20],
+                             get_buffer=lambda r, shape, dtype, offset: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(cuda, "_rendezvous", lambda tensor, name: handle)
+
+    def exchange(group, op, value, tag=None):
+        exchanged.append((value, tag))
+        return [value, (value[0], peer_has)]
+
+    monkeypatch.setattr(cuda, "exchange", exchange)
+    monkeypatch.setattr(cuda, "warn_once", lambda key, message: warnings.warn(message, RuntimeWarning))
+    ws._handle, ws.group, ws.group_name = None, None, "g"
+    if peer_has:
+        ws._grow(4096)
+        assert ws._ops is ops and ws._flags is not None
+    else:
+        with pytest.warns(RuntimeWarning, match=r"torch's signal kernels \(ranks \[1\] of the group have no stream"):
+            ws._grow(4096)
+        assert ws._ops is None and not ws.uses_stream_ops()
+    assert exchanged == [((4096, True), "grow")] and ws.nbytes == 4096
