@@ -225,12 +225,20 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
         how = "caller graph, beacons" if beacons is not None and beacons._next > waits else "caller graph, none"
     else:
         how = "replayed" if graphs.stats(workspace)["replayed"] > replays else "eager"
+    return f"{_named_then_synchronize(logged)} | {how}"
+
+
+def _named_then_synchronize(logged: list[str]) -> str:
+    """The watchdog's first line (within the 3 s timeout and 5 s more), then how a synchronize
+    ended: the context is gone, so it must raise, not hang ("nothing logged" otherwise)."""
+    import faulthandler
+
     deadline = time.monotonic() + 3 + 5
     while not logged and time.monotonic() < deadline:
         time.sleep(0.1)
     if not logged:
+        faulthandler.cancel_dump_traceback_later()
         return "nothing logged"
-    # then the process must not hang: its CUDA context is gone, so a synchronize raises
     outcome: list[str] = []
 
     def sync() -> None:
@@ -244,7 +252,30 @@ def peer_skips_op_cuda(op: str, replay: bool = False, torch_signals: bool = Fals
     waiter.start()
     waiter.join(20)
     faulthandler.cancel_dump_traceback_later()
-    return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'} | {how}"
+    return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'}"
+
+
+def peer_skips_queued_calls_cuda(calls: int) -> str:
+    """cuda: the last rank skips; the others queue `calls` eager all-gathers of different row
+    counts behind the stuck one (as a training loop's host runs ahead of its GPU). Their opening
+    barriers wait on one flag, each for its own call's signature, and their signals on the same
+    channels: the abort must release the whole queue, or the synchronize after it hangs."""
+    import faulthandler
+
+    rank, ws, a, b = _fault_setup("cuda")
+    torch.cuda.synchronize()
+    if rank == ws - 1:
+        return "skipped"
+    logged = _watchdog_log()
+    faulthandler.dump_traceback_later(40)
+    raised = ""
+    try:
+        for i in range(calls):  # rows 1, 2, ... per rank: new keys (eager), distinct signatures
+            shard = ints((1 + i, 8), rank, torch.float32, "cuda")
+            asynctp.all_gather_matmul(shard, [b], 0, dist.group.WORLD, strategy="pipeline")
+    except Exception as exc:  # noqa: BLE001  (a launch after the abort raises the CUDA error)
+        raised = f" | the calls raised {type(exc).__name__}"
+    return _named_then_synchronize(logged) + raised
 
 
 def killed_rank_cuda() -> dict:

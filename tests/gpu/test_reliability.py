@@ -84,6 +84,21 @@ def test_stuck_wait_in_a_callers_graph_is_named_then_released(op):
         assert part in message, (part, message)
 
 
+def test_a_queue_of_calls_behind_a_stuck_wait_is_released():
+    """Three calls queued behind the stuck one (different signatures on one barrier flag, the
+    same signal channels): the watchdog names the first, and the synchronize after its abort
+    raises instead of hanging on a later call's wait."""
+    pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
+    try:
+        outcomes = pool.run_outcomes(cases_reliability.peer_skips_queued_calls_cuda, 3)
+    finally:
+        pool.close()
+    kind, message = outcomes[0]
+    assert kind == "ok", outcomes[0]
+    for part in ["asynctp all_gather_matmul", "rank 0 of group", "the GPU has waited over 3 s", "synchronize raised"]:
+        assert part in message, (part, message)
+
+
 def test_mismatch_on_device_never_passes_the_opening_barrier():
     """Rank R-1 gathers 2 more rows: every rank's opening barrier waits for its own signature,
     which no peer wrote, so no data moves; the watchdog names the op, the rank and the
