@@ -334,10 +334,12 @@ def _agreed_ops(flags: bool, ranks_have: list[bool], why: str | None) -> tuple[s
     """(the stream ops, None) where every rank of the group has them and the flags fit, else
     (None, why): a rank on torch's kernels never sets the flags its peers' stream waits watch."""
     ops = streamops.load() if flags else None
+    if ops is None:
+        return None, why or streamops.unavailable_reason()
     lacking = [r for r, have in enumerate(ranks_have) if not have]
-    if ops is not None and lacking:
+    if lacking:
         return None, f"ranks {lacking} of the group have no stream memory operations"
-    return ops, None if ops is not None else (why or streamops.unavailable_reason())
+    return ops, None
 
 
 def _fields(call: tuple) -> str:
