@@ -256,10 +256,11 @@ def _named_then_synchronize(logged: list[str]) -> str:
 
 
 def peer_skips_queued_calls_cuda(calls: int) -> str:
-    """cuda: the last rank skips; the others queue `calls` eager all-gathers of different row
-    counts behind the stuck one (as a training loop's host runs ahead of its GPU). Their opening
-    barriers wait on one flag, each for its own call's signature, and their signals on the same
-    channels: the abort must release the whole queue, or the synchronize after it hangs."""
+    """cuda: the last rank skips; the others make `calls` eager all-gathers of different row
+    counts, the first stuck and the rest queued behind it (as a training loop's host runs ahead
+    of its GPU). Their opening barriers wait on one flag, each for its own call's signature, and
+    their signals on the same channels: the abort must release the whole queue, or the
+    synchronize after it hangs."""
     import faulthandler
 
     rank, ws, a, b = _fault_setup("cuda")

@@ -85,9 +85,9 @@ def test_stuck_wait_in_a_callers_graph_is_named_then_released(op):
 
 
 def test_a_queue_of_calls_behind_a_stuck_wait_is_released():
-    """Three calls queued behind the stuck one (different signatures on one barrier flag, the
-    same signal channels): the watchdog names the first, and the synchronize after its abort
-    raises instead of hanging on a later call's wait."""
+    """Three calls, the first stuck and two queued behind it (different signatures on one barrier
+    flag, the same signal channels): the watchdog names the first, and the synchronize after its
+    abort raises instead of hanging on a later call's wait."""
     pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
     try:
         outcomes = pool.run_outcomes(cases_reliability.peer_skips_queued_calls_cuda, 3)
