@@ -205,8 +205,9 @@ class CudaWorkspace(Workspace):
         A wait captured into a CUDA graph runs at replay: runtime/graphs.py watches the replay of
         its own graphs; in the caller's, the wait's beacon goes up (closed by _leave)."""
         if torch.cuda.is_current_stream_capturing():
-            if self.own_capture or not self.uses_stream_ops():  # (asynctp's own capture: the replay is watched)
-                return self.uses_stream_ops()
+            streams = self.uses_stream_ops()
+            if self.own_capture or not streams:  # (asynctp's own capture: the replay is watched)
+                return streams
             stream = torch._C._cuda_getCurrentRawStream(self.device.index)
             self._site = self.beacons.enter(stream, self, self.op, what, peer, seconds)
             return True
@@ -230,7 +231,7 @@ class CudaWorkspace(Workspace):
         aborted where they are stream memory operations (torch's kernels trap on their own). Every
         replay is watched: otherwise the watchdog would still hold an earlier call's wait."""
         self.pending = watchdog.Pending(op, "the barriers and signals of a CUDA-graph replay", None,
-                                        self._timeout(None), abort=self.uses_stream_ops())
+                                        self._timeout(None), abort=self._ops is not None)
 
     def watch_device_wait(self, what: str | Callable[[], str], flags: torch.Tensor, value: int = SIGNAL_VALUE) -> None:
         """Tell the watchdog that the GPU now waits until every 32-bit word of `flags` (a device

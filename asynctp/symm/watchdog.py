@@ -16,10 +16,10 @@ A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as 
 barriers and signals of a CUDA-graph replay", with the same abort where they are stream waits. A
 wait in a graph the caller captured is watched through its beacon (beacons.py: words of pinned
 memory the graph sets while the GPU waits there), with the same message and abort; without
-beacons, torch's kernels are used there, which trap on their own. On GPUs: tests/gpu/test_reliability.py's
-test_stuck_device_wait_is_named_before_the_trap and, for the caller's graphs,
-test_stuck_wait_in_a_callers_graph_is_named_then_released; the logic is tested on fakes in
-tests/unit/test_watchdog.py.
+beacons, torch's kernels are used there, which trap on their own. On GPUs:
+tests/gpu/test_reliability.py's test_stuck_device_wait_is_named_before_the_trap and, for the
+caller's graphs, test_stuck_wait_in_a_callers_graph_is_named_then_released; the logic is tested
+on fakes in tests/unit/test_watchdog.py.
 """
 
 from __future__ import annotations

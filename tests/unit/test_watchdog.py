@@ -1,8 +1,7 @@
 """The watchdog that names a stuck device-side wait (cuda backend) before the device traps."""
 
-from types import SimpleNamespace
-
 import ctypes
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -132,7 +131,6 @@ def test_lanes_count_ops_and_an_abandoned_op_settles():
     lanes.fork()
     lanes.abandon()
     assert lanes.started == lanes.joined == 2
-
 
 
 def fake_beacons(waits: int = 8):
