@@ -255,18 +255,24 @@ def _named_then_synchronize(logged: list[str]) -> str:
     return f"{logged[0]} | synchronize {outcome[0] if outcome else 'hung'}"
 
 
-def peer_skips_queued_calls_cuda(calls: int) -> str:
+def peer_skips_queued_calls_cuda(calls: int, path: str) -> str:
     """cuda: the last rank skips; the others make `calls` eager all-gathers of different row
     counts, the first stuck and the rest queued behind it (as a training loop's host runs ahead
     of its GPU). Their opening barriers wait on one flag, each for its own call's signature, and
-    their signals on the same channels: the abort must release the whole queue, or the
-    synchronize after it hangs."""
+    their signals on the same channels, so the abort's writes release the first call only: the
+    watchdog must then end the process, or a synchronize must raise; never a hang. What the
+    watchdog logs goes to `path`.RANK too (a process it ended returns nothing), after a line
+    "first call N" (the stuck call's number)."""
     import faulthandler
+    import logging
 
     rank, ws, a, b = _fault_setup("cuda")
     torch.cuda.synchronize()
     if rank == ws - 1:
         return "skipped"
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(f"first call {asynctp.get_workspace(dist.group.WORLD, 'cuda').seq + 1}\n")
+    logging.getLogger("asynctp").addHandler(logging.FileHandler(f"{path}.{rank}"))
     logged = _watchdog_log()
     faulthandler.dump_traceback_later(40)
     raised = ""

@@ -167,7 +167,9 @@ class CudaWorkspace(Workspace):
         graphs that are up now (beacons.py), of every wait in those graphs, of every eager wait
         (the value last awaited there), then of the waits up now again, so that a flag several
         waits share with different values (the opening barriers of different ops: each awaits its
-        call's signature) is left with the value awaited there now."""
+        call's signature) is left with the value awaited there now. Returns once the process's
+        GPU work has ended (a synchronize raised, or returned): the watchdog ends the process
+        where that takes too long (a wait behind the released ones awaits another value)."""
         if self._abort is None:
             return
         stream, false = self._abort
@@ -180,6 +182,10 @@ class CudaWorkspace(Workspace):
                 self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):
             torch._assert_async(false)
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001  (the assert's error, as expected; its type varies by release)
+            pass
 
     def _flag(self, kind: int, channel: int, src: int) -> int:
         """Byte offset in a signal pad of the flag that `src` sets for (kind, channel)."""

@@ -10,7 +10,11 @@ than its timeout while the op's completion event has not fired, writes one line 
 the log) naming the op, the rank, the peer and the signal. For a stream wait it first aborts the
 CUDA context itself (CudaWorkspace.abort_device: every awaited flag set, so no stream stays
 stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
-process raises instead of hanging.
+process raises instead of hanging. Where that abort has not released the process's GPU within
+GRACE seconds, the thread names the reason and ends the process (SIGABRT, as torch's NCCL
+watchdog does): a stream wait of a later call may await a value the abort did not write (calls
+queued behind the stuck one reuse its flags), and a CUDA call of the process that loads a kernel
+while a wait is stuck holds the driver until the GPU is idle, the abort's launches with it.
 
 A call replayed from asynctp's own CUDA graph (runtime/graphs.py) is watched as one wait, "the
 barriers and signals of a CUDA-graph replay", with the same abort where they are stream waits. A
@@ -25,6 +29,7 @@ on fakes in tests/unit/test_watchdog.py.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -59,6 +64,8 @@ class Pending:
 
 
 PERIOD = 0.5  # seconds between the thread's checks
+GRACE = 10.0  # seconds a device abort has to release this process's GPU before the process ends
+_end = os.abort  # how the process ends (tests replace it)
 _watched: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -166,18 +173,54 @@ def _message(ws: Any, p: Any, when: str) -> str:
 
 def report(ws: Any, now: float | None = None) -> str | None:
     """ws's stuck wait (_stuck) is logged, and when it has no timeout of its own (Pending.abort)
-    ws's device abort is enqueued first: once the line is out, a synchronize is sure to raise
+    ws's device abort runs first (_abort): once the line is out, a synchronize is sure to raise
     (logging first let one that started in between return when the released waits finished
-    before the abort's assert was even launched)."""
+    before the abort's assert was even launched). An abort that has not returned within GRACE
+    ends the process, after a second line that says so."""
     p, message = _stuck(ws, now)
-    if message is not None:
-        try:
-            if p.abort:
-                ws.abort_device()
-        finally:
-            log.error(message)
-            print(message, file=sys.stderr, flush=True)
+    if message is None:
+        return None
+    released = True
+    try:
+        if p.abort:
+            released = _abort(ws)
+    finally:
+        _emit(message)
+    if not released:
+        _emit(f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the abort has not released this "
+              f"process's GPU within {GRACE:g} s (a wait queued behind the stuck one awaits a value the abort "
+              f"did not write, or a CUDA call of this process, such as a kernel's first load, holds the driver "
+              f"until the GPU is idle); ending the process")
+        _end()
     return message
+
+
+def _abort(ws: Any) -> bool:
+    """ws.abort_device() (which returns once the process's GPU work has ended: a synchronize
+    returned or raised) on a thread of its own: whether it returned within GRACE. What it
+    raised is raised here."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            ws.abort_device()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001  (re-raised on the watchdog's thread)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="asynctp-abort", daemon=True)
+    thread.start()
+    thread.join(GRACE)
+    if not outcome:
+        return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True
+
+
+def _emit(line: str) -> None:
+    log.error(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def _run() -> None:

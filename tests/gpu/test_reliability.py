@@ -84,19 +84,26 @@ def test_stuck_wait_in_a_callers_graph_is_named_then_released(op):
         assert part in message, (part, message)
 
 
-def test_a_queue_of_calls_behind_a_stuck_wait_is_released():
+def test_a_queue_of_calls_behind_a_stuck_wait_ends_in_an_error(tmp_path):
     """Three calls, the first stuck and two queued behind it (different signatures on one barrier
-    flag, the same signal channels): the watchdog names the first, and the synchronize after its
-    abort raises instead of hanging on a later call's wait."""
+    flag, the same signal channels): the watchdog names the first call, then either the
+    synchronize after its abort raises or, where the abort cannot release the queue, the
+    watchdog says so and ends the process. Never a hang."""
     pool = RankPool(NUM_GPUS, backend="nccl", call_timeout=60)
     try:
-        outcomes = pool.run_outcomes(cases_reliability.peer_skips_queued_calls_cuda, 3)
+        outcomes = pool.run_outcomes(cases_reliability.peer_skips_queued_calls_cuda, 3, str(tmp_path / "log"))
     finally:
         pool.close()
-    kind, message = outcomes[0]
-    assert kind == "ok", outcomes[0]
-    for part in ["asynctp all_gather_matmul", "rank 0 of group", "the GPU has waited over 3 s", "synchronize raised"]:
-        assert part in message, (part, message)
+    kind, outcome = outcomes[0]
+    first, *lines = (tmp_path / "log.0").read_text().splitlines()
+    assert first.startswith("first call ") and lines, (first, lines)
+    for part in ("asynctp all_gather_matmul: rank 0 of group", "the GPU has waited over 3 s for barrier channel 0 "
+                 "with the signature", f"({first.removeprefix('first ')}: a_shard.shape (1, 8)"):
+        assert part in lines[0], (part, lines)
+    if kind == "died":
+        assert outcome == "signal SIGABRT" and "ending the process" in lines[-1], (outcome, lines)
+    else:
+        assert kind == "ok" and "synchronize raised" in outcome, outcomes[0]
 
 
 def test_mismatch_on_device_never_passes_the_opening_barrier():

@@ -1,6 +1,8 @@
 """The watchdog that names a stuck device-side wait (cuda backend) before the device traps."""
 
 import ctypes
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -72,6 +74,33 @@ def test_the_line_is_out_even_when_the_abort_fails(capsys):
     with pytest.raises(RuntimeError, match="CUDA error"):
         watchdog.report(ws, now=p.issued + 2.0)
     assert "barrier channel 1" in capsys.readouterr().err
+
+
+def test_an_abort_that_does_not_release_the_gpu_ends_the_process(monkeypatch, capsys):
+    # a wait queued behind the stuck one awaiting another value, or a kernel's first load holding
+    # the driver, leaves the abort (its synchronize) stuck: both lines are out, then the process ends
+    ended, release = [], threading.Event()
+    monkeypatch.setattr(watchdog, "GRACE", 0.2)
+    monkeypatch.setattr(watchdog, "_end", lambda: ended.append(capsys.readouterr().err))
+    p = watchdog.Pending("all_gather_matmul", "barrier channel 0", None, timeout=1.0, abort=True)
+    ws = fake_ws(False, p)
+    ws.abort_device = release.wait
+    try:
+        message = watchdog.report(ws, now=p.issued + 2.0)
+    finally:
+        release.set()
+    assert len(ended) == 1 and message in ended[0], ended
+    for part in ("asynctp all_gather_matmul: rank 1 of group 'tp': the abort has not released this process's GPU "
+                 "within 0.2 s", "ending the process"):
+        assert part in ended[0], (part, ended[0])
+
+
+def test_an_abort_that_returns_leaves_the_process(monkeypatch):
+    monkeypatch.setattr(watchdog, "_end", lambda: pytest.fail("the process must not end"))
+    p = watchdog.Pending("all_gather_matmul", "barrier channel 0", None, timeout=1.0, abort=True)
+    ws = fake_ws(False, p)
+    ws.abort_device = lambda: time.sleep(0.05)
+    assert "barrier channel 0" in watchdog.report(ws, now=p.issued + 2.0)
 
 
 def test_a_stuck_kernel_wait_is_only_logged():
