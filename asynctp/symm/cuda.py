@@ -177,7 +177,8 @@ class CudaWorkspace(Workspace):
             workspaces = [self] + [ws for ws in watchdog.watched() if ws is not self and ws.device == self.device
                                    and getattr(ws, "_ops", None) is not None]
             every, now_up = self.beacons.release_pairs(workspaces) if self.beacons is not None else ([], [])
-            eager = [pair for ws in workspaces for pair in ws._awaited.items()]
+            # (copies: the caller's thread may be adding to them)
+            eager = [pair for ws in workspaces for pair in ws._awaited.copy().items()]
             for address, value in now_up + every + eager + now_up:
                 self._ops.write(stream.cuda_stream, address, value)
         with torch.cuda.stream(stream):

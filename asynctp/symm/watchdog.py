@@ -10,7 +10,7 @@ than its timeout while the op's completion event has not fired, writes one line 
 the log) naming the op, the rank, the peer and the signal. For a stream wait it first aborts the
 CUDA context itself (CudaWorkspace.abort_device: every awaited flag set, so no stream stays
 stuck, then a device-side assert), as the kernel would trap: every later CUDA call in the
-process raises instead of hanging. Where that abort has not released the process's GPU within
+process raises instead of hanging. Where that abort fails, or has not released the GPU within
 GRACE seconds, the thread names the reason and ends the process (SIGABRT, as torch's NCCL
 watchdog does): a stream wait of a later call may await a value the abort did not write (calls
 queued behind the stuck one reuse its flags), and a CUDA call of the process that loads a kernel
@@ -175,47 +175,42 @@ def report(ws: Any, now: float | None = None) -> str | None:
     """ws's stuck wait (_stuck) is logged, and when it has no timeout of its own (Pending.abort)
     ws's device abort runs first (_abort): once the line is out, a synchronize is sure to raise
     (logging first let one that started in between return when the released waits finished
-    before the abort's assert was even launched). An abort that has not returned within GRACE
-    ends the process, after a second line that says so."""
+    before the abort's assert was even launched). An abort that raised, or has not returned
+    within GRACE, ends the process after a second line that says why."""
     p, message = _stuck(ws, now)
     if message is None:
         return None
-    released = True
-    try:
-        if p.abort:
-            released = _abort(ws)
-    finally:
-        _emit(message)
-    if not released:
-        _emit(f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the abort has not released this "
-              f"process's GPU within {GRACE:g} s (a wait queued behind the stuck one awaits a value the abort "
-              f"did not write, or a CUDA call of this process, such as a kernel's first load, holds the driver "
-              f"until the GPU is idle); ending the process")
+    failure = _abort(ws) if p.abort else None
+    _emit(message)
+    if failure is not None:
+        _emit(f"asynctp {p.op}: rank {ws.rank} of group {ws.group_name!r}: the abort {failure}; ending the process")
         _end()
     return message
 
 
-def _abort(ws: Any) -> bool:
+def _abort(ws: Any) -> str | None:
     """ws.abort_device() (which returns once the process's GPU work has ended: a synchronize
-    returned or raised) on a thread of its own: whether it returned within GRACE. What it
-    raised is raised here."""
+    returned or raised) on a thread of its own: None where it returned within GRACE, else
+    what went wrong."""
     outcome: list[BaseException | None] = []
 
     def run() -> None:
         try:
             ws.abort_device()
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001  (re-raised on the watchdog's thread)
+        except BaseException as exc:  # noqa: BLE001  (reported by the watchdog's thread)
             outcome.append(exc)
 
     thread = threading.Thread(target=run, name="asynctp-abort", daemon=True)
     thread.start()
     thread.join(GRACE)
     if not outcome:
-        return False
+        return (f"has not released this process's GPU within {GRACE:g} s (a wait queued behind the stuck one "
+                f"awaits a value the abort did not write, or a CUDA call of this process, such as a kernel's "
+                f"first load, holds the driver until the GPU is idle)")
     if outcome[0] is not None:
-        raise outcome[0]
-    return True
+        return f"failed ({type(outcome[0]).__name__}: {outcome[0]})"
+    return None
 
 
 def _emit(line: str) -> None:
@@ -228,4 +223,8 @@ def _run() -> None:
         time.sleep(PERIOD)
         workspaces = watched()
         for ws in workspaces:
-            report(ws)
+            try:
+                report(ws)
+            except Exception:  # noqa: BLE001  (the thread must go on watching the other workspaces)
+                log.exception("asynctp watchdog: checking a workspace of group %r failed",
+                              getattr(ws, "group_name", "?"))
