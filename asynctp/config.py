@@ -39,8 +39,9 @@ class Config:
     # NCCL's default watchdog is 10 min; 300 s is long enough for a slow first call (Triton
     # compilation, workspace growth) and short enough that a dead peer is noticed.
     timeout: float = _setting(
-        "ASYNCTP_TIMEOUT", "Seconds any wait on another rank may take before it raises naming the missing ranks.",
-        default=300.0)
+        "ASYNCTP_TIMEOUT", "Seconds any wait on another rank may take before it raises naming the missing ranks "
+        "(a stuck wait on the GPU: named in the log, then the CUDA context aborted, or the process ended where calls "
+        "queued behind it keep the GPU waiting; docs/reliability.md).", default=300.0)
     check_calls: bool = _setting(
         "ASYNCTP_CHECK_CALLS", "Compare every call's signature across ranks (op, sequence number, shapes, dtypes, "
         "dims, modes) in the values they already exchange; a mismatch raises on every rank.", default=True)
