@@ -260,9 +260,9 @@ def peer_skips_queued_calls_cuda(calls: int, path: str) -> str:
     counts, the first stuck and the rest queued behind it (as a training loop's host runs ahead
     of its GPU). Their opening barriers wait on one flag, each for its own call's signature, and
     their signals on the same channels, so the abort's writes (each flag once) cannot release
-    the queue: the watchdog must then end the process, or a synchronize must raise; never a hang. What the
-    watchdog logs goes to `path`.RANK too (a process it ended returns nothing), after a line
-    "first call N" (the stuck call's number)."""
+    the queue: the watchdog must then end the process, or a synchronize must raise; never a
+    hang. What the watchdog logs goes to `path`.RANK too (a process it ended returns nothing),
+    after a line "first call N" (the stuck call's number)."""
     import faulthandler
     import logging
 
