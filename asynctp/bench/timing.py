@@ -84,17 +84,17 @@ def isolated_us(
     """(device time, host time) of isolated calls, the slowest rank's medians in microseconds:
     before each call the ranks line up with an idle GPU (a step whose host does not run ahead),
     so every launch latency and host cost before the GPU starts counts. Host time: how long
-    the call took to return (queueing only, no sync)."""
+    the call took to return (queueing only, no sync; the timing events' records outside it)."""
     device_us, host_us = [], []
     for _ in range(max(1, iters)):
         align_ranks(group, device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
             start.record()
+            t0 = time.perf_counter()
             fn()
-            end.record()
             host_us.append((time.perf_counter() - t0) * 1e6)
+            end.record()
             torch.cuda.synchronize(device)
             device_us.append(start.elapsed_time(end) * 1e3)
         else:

@@ -11,9 +11,8 @@ the workspace); its second (auto: see When) is captured on a capture stream and 
 calls replay. A replay reads the inputs' current contents and writes its outputs into a private
 pool. Outputs are never overwritten while the caller holds them: a graph is replayed only when no
 tensor outside the cache shares its outputs' storage (torch's storage use count); otherwise another
-graph is captured for the key (up to MAX_PER_KEY), or the call runs eagerly.
-
-A public op's call equal to one that replayed replays directly, without its checks (ops/repeat.py).
+graph is captured for the key (up to MAX_PER_KEY), or the call runs eagerly. A public op's call
+equal to one that replayed replays directly, without its checks (ops/repeat.py).
 
 Safe across ranks: barriers and signals are the same flags, set and reset, whether eager or
 replayed (symm/cuda.py), so a rank may replay while its peer runs eagerly or captures. A workspace
@@ -104,11 +103,10 @@ class GraphCache:
         self._capture = capture or cuda_capture
         self._memory = memory  # its device's (graph_memory.memory_of), once a capture needs it
         self._donors: list[Callable[[], None]] = []  # dropped graphs (their replay), whose pools the next captures take
-        self.lag = lag or Lag()
+        self.lag = lag or Lag(held=lambda event, ref=self._ws: (w := ref()) is not None and w.lanes.holds(event))
         self._generation = ws.generation
         self._entries: OrderedDict[tuple, list[Entry]] = OrderedDict()
-        # key -> ((bytes of its inputs + first outputs, of the outputs), its sightings in a row on an
-        # idle GPU (auto), the call of its last sighting)
+        # key -> ((bytes of inputs + first outputs, of outputs), sightings in a row on an idle GPU (auto), call last seen)
         self._seen: OrderedDict[tuple, tuple[tuple[int, int], int, int]] = OrderedDict()
         self._calls = 0  # calls through this cache
         self._dropped: dict[tuple, int] = {}  # shape -> its graphs dropped before PAYBACK_REPLAYS replays
@@ -293,10 +291,8 @@ class GraphCache:
         """A call of `key` replayed from `entry` (just from ready(key)); direct: by ops/repeat.py."""
         self._calls += 1
         self.direct += direct
-        if mode() == "auto":
-            self.lag.mark()
         self._entries.move_to_end(key)
-        return self._replay(op, key, entry)
+        return self._replay(op, key, entry, mark=mode() == "auto")
 
     def _sweep(self) -> None:
         """Drop the graphs whose key has not come back for twice its period (+ the graphs held + 4
@@ -325,12 +321,17 @@ class GraphCache:
         self.replayed = None  # (after the body: a call inside it may have replayed)
         return result
 
-    def _replay(self, op: str, key: tuple, entry: Entry, captured: bool = False) -> Any:
+    def _replay(self, op: str, key: tuple, entry: Entry, captured: bool = False, mark: bool = False) -> Any:
         ws = self.ws
         if ws.lanes.is_cuda:
-            ws.lanes.replay(entry.replay)  # ordered after the previous op on ws, as Lanes.fork orders ops
+            lent = self.lag.lend() if mark else None  # a lag mark due: the replay's completion event is it
+            ws.lanes.replay(entry.replay, done=lent)  # ordered after the previous op on ws, as Lanes.fork orders ops
+            if lent is not None:
+                self.lag.add(lent)
             ws.watch_replay(op)
         else:
+            if mark:
+                self.lag.mark()
             entry.replay()
         if not captured:  # the replay right after the capture is the capturing call's own
             entry.replays += 1

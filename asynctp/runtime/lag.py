@@ -33,23 +33,39 @@ class Lag:
     """How far the GPU runs behind the host: CUDA events recorded on the caller's stream, each with
     the host time it was recorded at (at most one every MARK_SECONDS, enough kept to reach back
     LAG_SECONDS). `busy`: the share of recent marks at which the GPU was behind, 1 until marks
-    tell otherwise (a loop near 0 is host-bound: the GPU waits for the host)."""
+    tell otherwise (a loop near 0 is host-bound: the GPU waits for the host).
 
-    def __init__(self, record: Callable[[Any], Any] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    A caller that records an event anyway (a replay's completion, Lanes.replay) records the mark
+    in that one record: lend() gives the event, add() takes it back recorded. An old mark's
+    event is recorded again only once the caller no longer holds it (`held`: whether it does,
+    as its last op's completion, which the next op may wait for)."""
+
+    def __init__(self, record: Callable[[Any], Any] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 held: Callable[[Any], bool] | None = None, new: Callable[[], Any] | None = None) -> None:
         self._marks: deque = deque(maxlen=_MARKS)  # (host time, event), oldest first
         self._record = record or _record_event
+        self._new = new or torch.cuda.Event  # an unrecorded event, for lend()
         self._clock = clock
+        self._held = held or (lambda event: False)
         self._last = float("-inf")
         self.busy = 1.0
 
     def mark(self) -> None:
-        now = self._clock()
-        if now - self._last < MARK_SECONDS:
-            return
-        self._last = now
-        self.busy += BUSY_WEIGHT * (self.behind() - self.busy)
-        event = self._marks.popleft()[1] if len(self._marks) == self._marks.maxlen else None
-        self._marks.append((now, self._record(event)))
+        """A mark now, recorded on the current stream (none where one was made lately)."""
+        if self._due():
+            self.add(self._record(self._recycled()))
+
+    def lend(self) -> Any | None:
+        """For a caller that records an event on its stream anyway: the event to record as a mark
+        now, or None where no mark is due. Hand it to add() once recorded."""
+        if not self._due():
+            return None
+        event = self._recycled()
+        return event if event is not None else self._new()
+
+    def add(self, event: Any) -> None:
+        """A mark's event, recorded on the caller's stream since the mark fell due."""
+        self._marks.append((self._last, event))
 
     def behind(self) -> bool:
         """Work queued more than LAG_SECONDS ago is unfinished (the newest mark that old tells)."""
@@ -58,6 +74,23 @@ class Lag:
             if now - stamp > LAG_SECONDS:
                 return not event.query()
         return False  # no mark that old: no sign of a queue
+
+    def _due(self) -> bool:
+        """A mark is due (none made in the last MARK_SECONDS); then `busy` takes this mark's reading."""
+        now = self._clock()
+        if now - self._last < MARK_SECONDS:
+            return False
+        self._last = now
+        self.busy += BUSY_WEIGHT * (self.behind() - self.busy)
+        return True
+
+    def _recycled(self) -> Any | None:
+        """The oldest mark's event, to record again, where enough marks are kept and the caller
+        does not hold it; else None (a new one is made)."""
+        if len(self._marks) < self._marks.maxlen:
+            return None
+        event = self._marks.popleft()[1]
+        return None if self._held(event) else event
 
 
 def _record_event(event: torch.cuda.Event | None) -> torch.cuda.Event:

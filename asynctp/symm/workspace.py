@@ -115,6 +115,7 @@ class Lanes:
         self.caller: Any = None  # the caller's stream, set by fork()
         self.active: Any = None  # the stream work is being queued on
         self._done: Any = None  # recorded on the caller's stream when an op has finished
+        self._own_done: Any = None  # this object's completion event (_done is a lent one after some replays)
         # ops forked and ops joined (or abandoned): unequal while the host is still queuing an op,
         # when _done is the previous op's event and says nothing about this one's waits
         self.started = 0
@@ -178,26 +179,37 @@ class Lanes:
             if torch.cuda.is_current_stream_capturing():
                 self._done = None  # a captured op is ordered by the graph's replays, not by this event
             else:
-                if self._done is None:
-                    self._done = torch.cuda.Event()
-                self._done.record(self.caller)
+                self._record_done(self.caller)
         self.joined = self.started  # after the record: the watchdog reads the counts, then _done
 
     def abandon(self) -> None:
         """An op raised between fork and join: no completion event is coming for it."""
         self.joined = self.started
 
-    def replay(self, run: Callable[[], None]) -> None:
+    def replay(self, run: Callable[[], None], done: Any = None) -> None:
         """run() (a CUDA-graph replay of a whole op) on the current stream, ordered as fork and
-        join order ops: after the previous op on this workspace, and the next op after it."""
+        join order ops: after the previous op on this workspace, and the next op after it.
+        done: the event to record as the op's completion (a lag mark's, runtime/lag.py), which
+        this object then records no more (held while it is the last op's: holds())."""
         caller = self.current()
         if self._done is not None and self.caller is not None and caller is not self.caller:
             caller.wait_event(self._done)
         run()
         self.caller = self.active = caller
-        if self._done is None:
-            self._done = torch.cuda.Event()
-        self._done.record(caller)
+        self._record_done(caller, done)
+
+    def holds(self, event: Any) -> bool:
+        """`event` is the last op's completion, which the next op may wait for."""
+        return event is self._done
+
+    def _record_done(self, stream: Any, event: Any = None) -> None:
+        """The op's completion: `event` recorded on `stream`, or else this object's own event."""
+        if event is None:
+            if self._own_done is None:
+                self._own_done = torch.cuda.Event()
+            event = self._own_done
+        event.record(stream)
+        self._done = event
 
     def copy(self) -> contextlib.AbstractContextManager:
         return self._copy if self.is_cuda else self._null

@@ -13,6 +13,7 @@ from asynctp import config
 from asynctp.runtime import graph_memory, graphs, lag as lags
 from asynctp.runtime.keys import flatten, strip, tensor_keys
 from asynctp.symm import Workspace
+from asynctp.symm.workspace import Lanes
 
 
 DONORS = []  # (cache, the dropped graph each fake capture took a pool from, or None)
@@ -46,9 +47,9 @@ class FakeLag(lags.Lag):
     def __init__(self):
         self.now = 0.0
         self.events: list[FakeEvent] = []
-        super().__init__(record=self._record_fake, clock=lambda: self.now)
+        super().__init__(record=self._record_fake, clock=lambda: self.now, new=self._record_fake)
 
-    def _record_fake(self, event):
+    def _record_fake(self, event=None):
         event = FakeEvent()
         self.events.append(event)
         return event
@@ -411,6 +412,62 @@ def test_lag_keeps_marks_back_to_lag_seconds_at_the_busiest_marking_rate():
     assert lag.behind()
 
 
+class RecordedEvent(FakeEvent):
+    """A fake event that counts its records (Lanes and Lag record on 'the stream')."""
+
+    made = 0
+
+    def __init__(self):
+        super().__init__()
+        self.records = 0
+        RecordedEvent.made += 1
+
+    def record(self, stream=None):
+        self.records += 1
+
+
+def test_a_replay_records_its_lag_mark_in_its_completion_event(monkeypatch):
+    """auto: where a lag mark is due, a replay's completion event (Lanes.replay's `done`) is the
+    mark: one record for both; an old mark's event is recorded again for a new mark, but never
+    while the lanes hold it as their last op's completion (the next op may wait for it)."""
+    monkeypatch.setattr(config, "_current", config.Config())
+    lanes = Lanes(torch.device("cpu"))  # the real bookkeeping; the stream and events faked
+    lanes.is_cuda, lanes.current, lanes._own_done = True, lambda: "stream", RecordedEvent()
+    WORKSPACES.append(FakeWorkspace(generation=0, lanes=lanes, backend="cpu", watch_replay=lambda op: None))
+    now = [0.0]
+
+    def record(event):
+        event = event or RecordedEvent()
+        event.record()
+        return event
+
+    lag = lags.Lag(record=record, clock=lambda: now[0], held=lanes.holds, new=RecordedEvent)
+    cache = graphs.GraphCache(WORKSPACES[-1], capture=fake_capture, lag=lag,
+                              memory=graph_memory.GraphMemory(reserved=lambda: 1 << 40))
+    x, w = torch.ones(2, 3), torch.eye(3)
+    RecordedEvent.made = 0
+    replays = lags._MARKS + 10
+    for _ in range(2 + replays):
+        now[0] += 2 * lags.MARK_SECONDS  # a mark due at every call
+        op(cache, x, w)
+        if cache.counts["replayed"]:
+            assert lag._marks[-1][1] is lanes._done  # the replay's completion is the newest mark
+    assert cache.counts == {"eager": 1, "captured": 1, "replayed": replays}
+    marks = {id(e): e for _, e in lag._marks}.values()
+    records = sum(e.records for e in marks) + lanes._own_done.records
+    # the eager and the capturing call's marks, the capture's own completion, one record a replay;
+    # the old marks' events recorded again: fewer events made than records
+    assert lanes._own_done.records == 1 and len(lag._marks) == lags._MARKS
+    assert records - sum(1 for _ in marks) < replays + 3 and RecordedEvent.made < replays
+    held = lanes._done  # the last replay's completion, a lent mark
+    before = held.records
+    for _ in range(lags._MARKS + 1):  # marks of calls that leave the lanes alone: the held mark ages out
+        now[0] += 2 * lags.MARK_SECONDS
+        lag.mark()
+    assert lanes._done is held and held.records == before  # not recorded again while held
+    assert all(e is not held for _, e in lag._marks)
+
+
 def test_graphs_setting_is_checked():
     with pytest.raises(ValueError, match="ASYNCTP_GRAPHS requires auto, 0 or 1, got 'sometimes'"):
         config.Config.from_env({"ASYNCTP_GRAPHS": "sometimes"})
@@ -611,7 +668,7 @@ def test_every_replay_on_a_gpu_workspace_is_watched_whatever_its_waits():
     the graph's waits are torch's signal kernels: the watchdog must not keep an earlier call's
     wait for the replay's."""
     watched = []
-    lanes = SimpleNamespace(is_cuda=True, replay=lambda replay: replay())
+    lanes = SimpleNamespace(is_cuda=True, replay=lambda replay, done=None: replay())
     WORKSPACES.append(FakeWorkspace(generation=0, lanes=lanes, backend="cuda", uses_stream_ops=lambda: False,
                                     watch_replay=watched.append))
     cache = graphs.GraphCache(WORKSPACES[-1], capture=fake_capture, lag=FakeLag(),
