@@ -43,10 +43,10 @@ NUM_CHANNELS = 64  # 2 barrier channels + one signal channel per row block
 def resolve_group(group: Any) -> dist.ProcessGroup:
     """A ProcessGroup from a ProcessGroup, its name, a 1-D DeviceMesh, a (DeviceMesh, dim name)
     pair, or None (the default group, as torch.distributed's group=None); TypeError otherwise."""
+    if isinstance(group, dist.ProcessGroup):  # (before the import below: every call resolves its group)
+        return group
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(group, dist.ProcessGroup):
-        return group
     if isinstance(group, str):
         try:
             return c10d._resolve_process_group(group)
