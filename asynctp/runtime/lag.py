@@ -40,11 +40,10 @@ class Lag:
     event is recorded again only once the caller no longer holds it (`held`: whether it does,
     as its last op's completion, which the next op may wait for)."""
 
-    def __init__(self, record: Callable[[Any], Any] | None = None, clock: Callable[[], float] = time.perf_counter,
-                 held: Callable[[Any], bool] | None = None, new: Callable[[], Any] | None = None) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, held: Callable[[Any], bool] | None = None,
+                 new: Callable[[], Any] | None = None) -> None:
         self._marks: deque = deque(maxlen=_MARKS)  # (host time, event), oldest first
-        self._record = record or _record_event
-        self._new = new or torch.cuda.Event  # an unrecorded event, for lend()
+        self._new = new or torch.cuda.Event  # a new (unrecorded) event for a mark
         self._clock = clock
         self._held = held or (lambda event: False)
         self._last = float("-inf")
@@ -52,8 +51,10 @@ class Lag:
 
     def mark(self) -> None:
         """A mark now, recorded on the current stream (none where one was made lately)."""
-        if self._due():
-            self.add(self._record(self._recycled()))
+        event = self.lend()
+        if event is not None:
+            event.record()
+            self.add(event)
 
     def lend(self) -> Any | None:
         """For a caller that records an event on its stream anyway: the event to record as a mark
@@ -91,9 +92,3 @@ class Lag:
             return None
         event = self._marks.popleft()[1]
         return None if self._held(event) else event
-
-
-def _record_event(event: torch.cuda.Event | None) -> torch.cuda.Event:
-    event = event or torch.cuda.Event()
-    event.record()
-    return event

@@ -40,6 +40,9 @@ class FakeEvent:
     def query(self):
         return self.done
 
+    def record(self, stream=None):
+        self.done = False
+
 
 class FakeLag(lags.Lag):
     """Lag over a settable clock and fake events; gpu_done() finishes every mark so far."""
@@ -47,9 +50,10 @@ class FakeLag(lags.Lag):
     def __init__(self):
         self.now = 0.0
         self.events: list[FakeEvent] = []
-        super().__init__(record=self._record_fake, clock=lambda: self.now, new=self._record_fake)
+        # a new event for every mark (an old one is never recorded again: every event is "held")
+        super().__init__(clock=lambda: self.now, held=lambda event: True, new=self._new_fake)
 
-    def _record_fake(self, event=None):
+    def _new_fake(self):
         event = FakeEvent()
         self.events.append(event)
         return event
@@ -423,6 +427,7 @@ class RecordedEvent(FakeEvent):
         RecordedEvent.made.append(self)
 
     def record(self, stream=None):
+        super().record(stream)
         self.records += 1
 
 
@@ -435,13 +440,7 @@ def test_a_replay_records_its_lag_mark_in_its_completion_event(monkeypatch):
     lanes.is_cuda, lanes.current, lanes._own_done = True, lambda: "stream", RecordedEvent()
     WORKSPACES.append(FakeWorkspace(generation=0, lanes=lanes, backend="cpu", watch_replay=lambda op: None))
     now = [0.0]
-
-    def record(event):
-        event = event or RecordedEvent()
-        event.record()
-        return event
-
-    lag = lags.Lag(record=record, clock=lambda: now[0], held=lanes.holds, new=RecordedEvent)
+    lag = lags.Lag(clock=lambda: now[0], held=lanes.holds, new=RecordedEvent)
     cache = graphs.GraphCache(WORKSPACES[-1], capture=fake_capture, lag=lag,
                               memory=graph_memory.GraphMemory(reserved=lambda: 1 << 40))
     x, w = torch.ones(2, 3), torch.eye(3)
