@@ -13,6 +13,9 @@ _rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
   load (the compiler makes the branch a select of the descriptor address: one TMA issue);
 - out leaves by TMA store from one 128x256 shared buffer (column scales and bias applied in two
   column halves);
+- STORE_A (the fused all-gather keeps the gathered rows): each row block's tile of the first
+  columns also stores every a tile it loads into the gathered rows (TMA, from the ring slot), so
+  the gathered rows cost their writes only, not a copy of the workspace beside the GEMM;
 - bf16 / fp16 operands (out of their dtype), or fp8 e4m3 with b as weight.t() only (wgmma reads
   fp8 K-major) and the Triton kernel's scales in its order: acc * a_scale (numel 1, or per row,
   the local source's rows' from a_local_scale) * b_scale (numel 1, or per column) + bias, one
@@ -85,11 +88,11 @@ def _half(h, buf, b_scale_ptr, bias_ptr, col, N, B_SCALE: gl.constexpr, HAS_BIAS
 
 @gluon.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
 def _ag_mm_kernel(
-    a_desc, l_desc, b_desc, c_desc, sig_ptr, cnt_ptr, a_scale_ptr, l_scale_ptr, b_scale_ptr, bias_ptr,
+    a_desc, l_desc, b_desc, c_desc, g_desc, sig_ptr, cnt_ptr, a_scale_ptr, l_scale_ptr, b_scale_ptr, bias_ptr,
     N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, sig_src, sig_blk, out_src, out_blk,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
     STAGES: gl.constexpr, WAIT: gl.constexpr, RESET: gl.constexpr, LOCAL: gl.constexpr, B_TRANS: gl.constexpr,
-    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
+    A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_A: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
     # wgmma accumulator: each warp 16 rows, m64n256 instructions per warpgroup (k16; fp8: k32)
@@ -129,22 +132,26 @@ def _ag_mm_kernel(
                                                                num_chunks, blocks, chunk_rows, rows_per_src, local_src,
                                                                out_src, out_blk, BM, BN, GROUP_M, LOCAL)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        st = STORE_A & (off_n == 0)  # the row block's tile of the first columns stores its a tiles
         # step 0 loads this tile's K-step STAGES - 1; a K-loop shorter than that loads no next tile's rows
         acc = _step(acc, False, cons, 0, k_tiles, row, loc, off_n, nrow, nloc, noff_n, False, a_desc, l_desc,
-                    b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL)
+                    b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, st, STORE_A)
         cons += 1
         tma.store_wait(0)  # under the first wgmma: the previous tile's store has read c_buf
         for ki in range(1, k_pre):
             acc = _step(acc, True, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, False, a_desc, l_desc,
-                        b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL)
+                        b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, st, STORE_A)
             cons += 1
         # as late as can be: the next tile's flag, read once before the steps that would load its rows
         primed = _ready(has_next & (k_pre > 0), nc, nsrc, nblk, waited, local_src, sig_ptr, sig_src, sig_blk, WAIT)
         for ki in range(gl.maximum(k_pre, 1), k_tiles):
             acc = _step(acc, True, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc,
-                        b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL)
+                        b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, st, STORE_A)
             cons += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if STORE_A:
+            if st:  # the last a tile has left its slot, which the next tile's first step refills
+                tma.store_wait(0)
 
         # the Triton kernel's epilogue, in its order: * a_scale, * b_scale, + bias
         if A_SCALE == 1:
@@ -175,8 +182,10 @@ def _ag_mm_kernel(
 
 
 def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale,
-           bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None) -> None:
-    """_ag_kernel.launch's arguments and meaning (a_local_scale defaults as there)."""
+           bias, cfg: Config, num_sms: int, a_local=None, a_local_scale=None, a_gathered=None) -> None:
+    """_ag_kernel.launch's arguments and meaning (a_local_scale defaults as there). a_gathered: the
+    gathered rows [R * m, K] in out's row order, stored by the tiles of the first columns from the
+    a tiles they load (the rows are read once, by the GEMM; no copy of the workspace)."""
     fp8 = a.dtype == FP8
     if (a.dtype not in _DTYPES or b.dtype != a.dtype or out.dtype not in _GL_DTYPES
             or (out.dtype != a.dtype and not fp8) or (fp8 and not b_trans)):
@@ -194,19 +203,22 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     a_desc = _desc(a, list(a.shape), [a.stride(0), 1], [bm, bk])
     l_desc = a_desc if a_local is None else _desc(a_local, [rows_per_src, k], [a_local.stride(0), 1], [bm, bk])
     c_desc = _desc(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
+    g_desc = a_desc if a_gathered is None else _desc(a_gathered, list(a_gathered.shape), [a_gathered.stride(0), 1],
+                                                     [bm, bk])
     tiles = (m_total // bm) * triton.cdiv(nn_, bn)
     grid = (max(1, min(num_sms, tiles)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
     dummy = out
     _launch(grid, (
-        a_desc, l_desc, _desc(*b_args), c_desc, signals if signals is not None else dummy,
+        a_desc, l_desc, _desc(*b_args), c_desc, g_desc, signals if signals is not None else dummy,
         counters if counters is not None else dummy, a_scale if a_scale is not None else dummy,
         a_local_scale if a_local_scale is not None else (a_scale if a_scale is not None else dummy),
         b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
         nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
         bm, bn, bk, cfg.group_m, grid[0], stages,  # BM, BN, BK, GROUP_M, NUM_SMS, STAGES
         signals is not None, counters is not None, a_local is not None, b_trans, a_mode, b_mode, bias is not None,
-    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS
+        a_gathered is not None,
+    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A
 
 
 _launch = FastLaunch(_ag_mm_kernel)

@@ -186,8 +186,11 @@ def launch(
     bias: torch.Tensor | None = None,
     config: Config | None = None,
     gluon: bool | None = None,
-) -> None:
-    """Launch the GEMM (CUDA tensors, arguments already checked by the caller).
+    gathered: torch.Tensor | None = None,
+) -> bool:
+    """Launch the GEMM (CUDA tensors, arguments already checked by the caller). Returns whether
+    it also wrote `gathered` (the rows [R * m, K] in out's row order, stored from the a tiles the
+    GEMM loads: the Gluon kernel only; otherwise the caller copies them).
 
     sig_strides: (number of chunks n, flag stride per source, flag stride per block), in flags;
     signals None: no waits (every row already in place). a: the workspace rows (rank-major);
@@ -210,11 +213,13 @@ def launch(
                                             num_sms):
         from asynctp.kernels import _ag_gluon
 
-        run = lambda: _ag_gluon.launch(*args, a_local=a_local, a_local_scale=a_local_scale)  # noqa: E731
+        run = lambda: _ag_gluon.launch(*args, a_local=a_local, a_local_scale=a_local_scale,  # noqa: E731
+                                       a_gathered=gathered)
         ran, _, _gluon_failed = kern.try_gluon(run, bool(gluon), "the all-gather")
         if ran:
-            return
+            return gathered is not None
     kern.launch(*args, a_local=a_local, a_local_scale=a_local_scale)
+    return False
 
 
 def available(a: torch.Tensor, chunk_rows: int, config: Config | None = None) -> str | None:

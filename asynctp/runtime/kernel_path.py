@@ -3,12 +3,14 @@ on the copy stream, ONE persistent GEMM on the caller's stream that waits per ch
 
 all-gather -> matmul, rank r of R (chunk = a block of one rank's rows, or a batch-major run):
     copy stream:  barrier(0) | push the shard into slot r of r-1, r-2, ...,
-                  then put_signal(that peer, block) | when the caller keeps the gathered rows:
-                  each arrived block copied out of the workspace
+                  then put_signal(that peer, block) | when the caller keeps the gathered rows
+                  and the GEMM does not store them: each source's rows copied out of the
+                  workspace once its last flag is set
     caller:       async_input_mm over the workspace rows, pivot = r's own first block (read
                   from the caller's shard in place), then r's other blocks, r+1, r+2, ... as
-                  their flags arrive; further weights of the
-                  same gather: the same GEMM without waits; every flag zeroed after the join
+                  their flags arrive; the Gluon GEMM stores the gathered rows from the a tiles
+                  it loads; further weights of the same gather: the same GEMM without waits;
+                  every flag zeroed after the join
 matmul -> reduce-scatter, rank r:
     caller:       producer GEMM: the peers' blocks first (r+1, r+2, ...), then the own chunk,
                   whose epilogue waits for the peers' pushed partials and adds them (fp32, one
@@ -193,8 +195,10 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
     a_scale tensorwise (agreed, numel 1), or scale_rows [m] fp32 (rowwise: pushed with the rows).
 
     The GEMM reads the own rows (and rowwise scales) where they are. The copy stream pushes the
-    rows (and scales) to the peers and, when the caller keeps the gathered rows, copies each
-    arrived block out of the workspace beside the GEMM (copy engines: the GEMM that waits may
+    rows (and scales) to the peers. When the caller keeps the gathered rows, the Gluon GEMM
+    stores them from the a tiles it loads (where they lie in the outputs' row order: runs None
+    in front order, the outputs' runs in batch-major); otherwise the copy stream copies each
+    source's rows out of the workspace beside the GEMM (copy engines: the GEMM that waits may
     hold every SM). Every flag is zeroed after the join (the GEMM and the copy stream both read
     them)."""
     world, rank = ws.world_size, ws.rank
@@ -217,7 +221,20 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 if their_scales is not None:
                     their_scales[j].copy_(scale_rows[j * rows : (j + 1) * rows])
                 ws.put_signal(dst, channel=_SIGNAL_BASE + j)
-        if gathered is not None:
+    scales = b_scales or [None] * len(bs)
+    a_scale_ws = all_scales if scaled else a_scale
+    stored = False  # whether the GEMM wrote the gathered rows
+    gemm_gathered = gathered if (runs is None) == (not segment) else None  # rows in the outputs' order
+    ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
+    try:
+        for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
+            stored |= launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap,
+                             a_scale=a_scale_ws, b_scale=b_scale, bias=bias, a_local=shard_2d,
+                             a_local_scale=scale_rows, gathered=gemm_gathered if i == 0 else None)
+    finally:  # (inside a caller's capture: its beacon goes down after the launches, even a failed one)
+        ws.device_wait_done()
+    if gathered is not None and not stored:
+        with lanes.copy():
             runs = runs or rank_order(m)
             place(gathered, runs, rank, 0, shard_2d)
             for step in range(1, world):
@@ -226,15 +243,6 @@ def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: li
                 src = (rank + step) % world
                 _wait_flag(ws, flags[(blocks - 1) * world + src], f"rank {src}'s rows")
                 place(gathered, runs, src, 0, all_rows[src * m : (src + 1) * m])
-    scales = b_scales or [None] * len(bs)
-    a_scale_ws = all_scales if scaled else a_scale
-    ws.watch_device_wait(lambda: f"the rows of ranks {_peers(world, rank)} (single-launch GEMM)", flags)
-    try:
-        for i, (b, bias, b_scale) in enumerate(zip(bs, biases, scales)):
-            launch(all_rows, b, outs[i], flags if i == 0 else None, g.sig, rows, rank * blocks, g.cmap,
-                   a_scale=a_scale_ws, b_scale=b_scale, bias=bias, a_local=shard_2d, a_local_scale=scale_rows)
-    finally:  # (inside a caller's capture: its beacon goes down after the launches, even a failed one)
-        ws.device_wait_done()
     lanes.join()
     g.flags_int.zero_()  # after every reader (stream-ordered); the next call's signals come later
     return gathered, outs

@@ -202,8 +202,10 @@ def _gather_case(mode: str, b_layout: str, world: int = 2, blocks: int = 2, rows
     return full, ws, mine, b if b_layout == "weight.t()" else b.contiguous(), bias, cmap, scales
 
 
-def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: bool, scales=None) -> tuple:
-    """(out, flags, counters) of one launch: every awaited flag set in advance, counters on."""
+def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: bool, scales=None,
+            gathered: torch.Tensor | None = None) -> tuple:
+    """(out, flags, counters) of one launch: every awaited flag set in advance, counters on;
+    gathered: the rows to store, which the launch says it stored where it runs the Gluon kernel."""
     world = ws.shape[0] // (cmap.blocks * rows)
     flags = torch.ones(world * cmap.blocks, dtype=torch.int32, device="cuda")  # (src, blk) at src + blk * world
     if cmap.local_src >= 0:
@@ -211,8 +213,10 @@ def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: boo
     counters = torch.zeros_like(flags)
     out = torch.full((ws.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
     _, sa, sa_mine, sb = scales or (None,) * 4
-    launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters, bias=bias,
-           a_scale=sa, a_local_scale=sa_mine, b_scale=sb, config=WHOLE8 if scales else WHOLE, gluon=gluon)
+    stored = launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters,
+                    bias=bias, a_scale=sa, a_local_scale=sa_mine, b_scale=sb, config=WHOLE8 if scales else WHOLE,
+                    gluon=gluon, gathered=gathered)
+    assert stored == (gluon and gathered is not None)
     assert not gluon or aim._gluon_failed is None, aim._gluon_failed  # (else the Triton kernel ran)
     assert aim._gluon_serves(ws, b, out, scales is not None, rows, WHOLE8 if scales else WHOLE, aim.sm_count(ws.device))
     return out, flags, counters
@@ -224,18 +228,24 @@ def test_gather_gluon_against_reference(mode, b_layout, monkeypatch):
     pivot 3: each chunk's product (fp8: torch._scaled_mm's) lands in its output rows; flags and counters reset."""
     monkeypatch.setattr(aim, "sm_count", lambda device: 7)
     full, ws, mine, b, bias, cmap, scales = _gather_case(mode, b_layout, rows=(rows := 512))
-    out, flags, counters = _gather(ws, b, mine, bias, cmap, rows, 3, gluon=True, scales=scales)
+    gathered = torch.full_like(full, float("nan"))
+    out, flags, counters = _gather(ws, b, mine, bias, cmap, rows, 3, gluon=True, scales=scales, gathered=gathered)
     prod = (full.double() @ b.double() if scales is None
             else torch._scaled_mm(full, b, scales[0], scales[3], out_dtype=torch.bfloat16).double())
     want = torch.empty(out.shape, dtype=torch.float64, device="cuda")
+    want_rows = torch.empty_like(full)  # the gathered rows, stored from the a tiles: exact, in out's row order
     for c in range(ws.shape[0] // rows):  # chunk c = (src, blk)
         src, blk = divmod(c, cmap.blocks)
         at = src * (cmap.out_src or cmap.blocks * rows) + blk * (cmap.out_blk or rows)
         want[at : at + rows] = prod[c * rows : (c + 1) * rows]
+        want_rows[at : at + rows] = full[c * rows : (c + 1) * rows]
     if bias is not None:
         want += bias.double()
     assert (out.double() - want).norm() / want.norm() < 1e-2 and not out.isnan().any()
     assert flags.count_nonzero() == 0 and counters.count_nonzero() == 0
+    assert torch.equal(gathered.view(torch.uint8), want_rows.view(torch.uint8))
+    # storing the rows leaves the products as they are
+    assert torch.equal(out, _gather(ws, b, mine, bias, cmap, rows, 3, gluon=True, scales=scales)[0])
 
 
 @pytest.mark.parametrize("programs", [7, None])
