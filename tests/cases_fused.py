@@ -166,6 +166,59 @@ def fused_scaled_all_gather_exact() -> int:
     return checked
 
 
+def fused_all_gather_gemm_stores_rows() -> int:
+    """The Gluon GEMM (its tiles forced to whole 128x256 ones, unsplit) stores the gathered rows
+    from the a tiles it loads: bf16 and fp8 rowwise, front order (4 blocks a rank) and
+    batch-major, equal to serial bit for bit; every call launched it with the rows to store, so
+    nothing was copied out of the workspace."""
+    import sys
+
+    from asynctp.kernels import _ag_gluon, configs
+    from asynctp.runtime import kernel_path
+
+    aim = sys.modules["asynctp.kernels.async_input_mm"]  # (the package's async_input_mm is the function)
+
+    rank, ws = world()
+    g = dist.group.WORLD
+    f8 = torch.float8_e4m3fn
+    real = _ag_gluon.launch
+    stored: list[bool] = []
+
+    def launch(*args, **kwargs):
+        stored.append(kwargs.get("a_gathered") is not None)
+        return real(*args, **kwargs)
+
+    def whole(dtype, *args):
+        return configs.Config(128, 256, 128 if dtype.itemsize == 1 else 64, stages=3, warps=8, split=False)
+
+    saved = (aim.pick_config, kernel_path._config)
+    _ag_gluon.launch, aim.pick_config, kernel_path._config = launch, whole, whole
+    checked = 0
+    try:
+        for shape, dim in (((1024, 256), 0), ((2, 512, 256), 1)):
+            a = ints(shape, 60 + rank, BF16, "cuda", low=-1, high=2)
+            b = ints((384, 256), 61, BF16, "cuda").t()
+            want_a, want = asynctp.all_gather_matmul(a, [b], dim, g, strategy="serial")
+            got_a, got = asynctp.all_gather_matmul(a, [b], dim, g, strategy="fused")
+            assert stored and stored[-1] and aim._gluon_failed is None, (shape, stored, aim._gluon_failed)
+            assert torch.equal(got_a, want_a) and torch.equal(got[0], want[0]), (shape, "bf16")
+            a8 = ints(shape, 62 + rank, torch.float32, "cuda", low=-1, high=2).to(f8)
+            w8 = ints((384, 256), 63, torch.float32, "cuda", low=-1, high=2).to(f8)
+            sa = 2.0 ** ints(shape[:-1] + (1,), 64 + rank, torch.float32, "cuda", low=-2, high=1)
+            sb = 2.0 ** ints((1, 384), 65, torch.float32, "cuda", low=-2, high=1)
+            want_a, want = asynctp.all_gather_scaled_matmul(a8, [w8.t()], sa, [sb], dim, g, strategy="serial")
+            before = len(stored)
+            got_a, got = asynctp.all_gather_scaled_matmul(a8, [w8.t()], sa, [sb], dim, g, strategy="fused")
+            assert len(stored) == before + 1 and stored[-1], (shape, "fp8: the Gluon GEMM did not store the rows")
+            assert torch.equal(got_a.view(torch.uint8), want_a.view(torch.uint8)), (shape, "fp8 gathered")
+            assert torch.equal(got[0], want[0]), (shape, "fp8")
+            checked += 2
+    finally:
+        _ag_gluon.launch = real
+        aim.pick_config, kernel_path._config = saved
+    return checked
+
+
 def fused_graph_replays() -> dict:
     """The single-launch path captured into asynctp's own CUDA graphs (ASYNCTP_GRAPHS=1) and
     replayed, bf16 and fp8 rowwise, all-gather and reduce-scatter: inputs at fixed addresses,

@@ -8,6 +8,10 @@ def test_fused_all_gather_exact(pool):
     assert pool.run(cases_fused.fused_all_gather_exact)[0] == 12
 
 
+def test_fused_all_gather_gemm_stores_rows(pool):
+    assert pool.run(cases_fused.fused_all_gather_gemm_stores_rows)[0] == 4
+
+
 def test_fused_reduce_scatter_matches_serial(pool):
     assert pool.run(cases_fused.fused_reduce_scatter_matches_serial)[0] == 8
 
