@@ -101,6 +101,20 @@ def test_kernels_in_triton_interpreter():
     assert res.stdout.strip().endswith("ok"), res.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler)")
+def test_gluon_kernels_compile_for_hopper():
+    """The Gluon kernels compile for sm_90 without a GPU (Triton's compiler and ptxas), through the
+    launch functions the ops call: the all-gather GEMM storing the gathered rows and not, the
+    reduce-scatter producer, bf16 and fp8 rowwise and tensorwise (in a fresh process: the script
+    replaces Triton's driver)."""
+    script = os.path.join(os.path.dirname(__file__), "_gluon_compiled.py")
+    from tests.multiprocess import script_env
+
+    res = subprocess.run([sys.executable, script], env=script_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("compiled") == 9 and res.stdout.strip().endswith("ok"), res.stdout
+
+
 def test_unmeasured_shapes_start_the_bf16_reduce_scatter_on_the_single_launch_path():
     from asynctp.ops import tuning
 
