@@ -1,7 +1,8 @@
 """Times asynctp's persistent GEMMs alone on one GPU against cuBLAS (torch.mm / torch._scaled_mm, fp8 with and
 without fast accumulation)
 at the local GEMMs of the benchmark's shape sets: flags set in advance (no wait), the per-chunk
-waits live (flags set, the spin runs), the fused all-gather's call (own rows staged), and the reduce-scatter producer. Every config of the table is
+waits live (flags set, the spin runs), the fused all-gather's call (own rows staged; and as the op makes it: own rows in
+place, the gathered rows kept, `fused_ag_rows_us`), and the reduce-scatter producer. Every config of the table is
 timed, so the tuned choice comes from the same run.
 
     python benchmarks/kernels.py OUT.json [--quick]
@@ -110,7 +111,10 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
                           ("fused_ag_us", i): _fused_ag(a, b, sa, sb, out, world, cfg)})
             if sa is None:  # in place: the own rows read from their own tensor
                 timed[("fused_ag_in_place_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True)
-            for name in ("waits_us", "fused_ag_us", "fused_ag_in_place_us"):  # compiled here, inside the try
+            # the op's call: the own rows (and scales) read in place, the gathered rows kept (the Gluon GEMM
+            # stores them; beside the Triton kernel the op copies them on a copy engine, not timed here)
+            timed[("fused_ag_rows_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True, rows=row)
+            for name in ("waits_us", "fused_ag_us", "fused_ag_in_place_us", "fused_ag_rows_us"):  # compiled here
                 if (name, i) in timed:
                     timed[(name, i)]()
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
@@ -125,22 +129,26 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
     return rows
 
 
-def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False):
+def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False, rows=None):
     """The all-gather's call: rank 0 of `world`, the own rows staged on the same stream (an
     upper bound: the op stages them on a copy engine beside the GEMM), every remote flag set,
-    flags reset by the kernel (set again before each run)."""
+    flags reset by the kernel (set again before each run). rows (a result row): the gathered
+    rows kept, rows["stores_rows"] whether the GEMM stored them."""
     m, k = a.shape
     shard = m // world
     mine = a[:shard].clone()
     flags = torch.ones(world, dtype=torch.int32, device="cuda")
     counters = torch.zeros(world, dtype=torch.int32, device="cuda")
+    gathered = torch.empty_like(a) if rows is not None else None
 
     def run():
         flags.fill_(1)
         if not in_place:
             a[:shard].copy_(mine)  # the staging copy of the own rows
-        launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), counters=counters, a_scale=sa,
-               b_scale=sb, config=cfg, a_local=mine if in_place else None)
+        stored = launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), counters=counters,
+                        a_scale=sa, b_scale=sb, config=cfg, a_local=mine if in_place else None, gathered=gathered)
+        if rows is not None:
+            rows["stores_rows"] = stored
 
     return run
 
