@@ -113,7 +113,7 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
                 timed[("fused_ag_in_place_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True)
             # the op's call: the own rows (and scales) read in place, the gathered rows kept (the Gluon GEMM
             # stores them; beside the Triton kernel the op copies them on a copy engine, not timed here)
-            timed[("fused_ag_rows_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True, rows=row)
+            timed[("fused_ag_rows_us", i)] = _fused_ag(a, b, sa, sb, out, world, cfg, in_place=True, row=row)
             for name in ("waits_us", "fused_ag_us", "fused_ag_in_place_us", "fused_ag_rows_us"):  # compiled here
                 if (name, i) in timed:
                     timed[(name, i)]()
@@ -129,17 +129,17 @@ def bench_shape(label, m, n, k, fp8, world=2, quick=False, configs=None, rounds=
     return rows
 
 
-def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False, rows=None):
+def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False, row=None):
     """The all-gather's call: rank 0 of `world`, the own rows staged on the same stream (an
     upper bound: the op stages them on a copy engine beside the GEMM), every remote flag set,
-    flags reset by the kernel (set again before each run). rows (a result row): the gathered
-    rows kept, rows["stores_rows"] whether the GEMM stored them."""
+    flags reset by the kernel (set again before each run). row (a result row): the gathered rows
+    kept, row["stores_rows"] whether the GEMM stored them."""
     m, k = a.shape
     shard = m // world
     mine = a[:shard].clone()
     flags = torch.ones(world, dtype=torch.int32, device="cuda")
     counters = torch.zeros(world, dtype=torch.int32, device="cuda")
-    gathered = torch.empty_like(a) if rows is not None else None
+    gathered = torch.empty_like(a) if row is not None else None
 
     def run():
         flags.fill_(1)
@@ -147,8 +147,8 @@ def _fused_ag(a, b, sa, sb, out, world, cfg, in_place=False, rows=None):
             a[:shard].copy_(mine)  # the staging copy of the own rows
         stored = launch(a, b, out, flags, (world, 1, 0), shard, 0, ChunkMap(local_src=0), counters=counters,
                         a_scale=sa, b_scale=sb, config=cfg, a_local=mine if in_place else None, gathered=gathered)
-        if rows is not None:
-            rows["stores_rows"] = stored
+        if row is not None:
+            row["stores_rows"] = stored
 
     return run
 

@@ -147,7 +147,7 @@ def _buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr):
 @gluon.jit
 def _step(acc, use_acc, cons, ki, k_tiles, row, loc, off_n, nrow, nloc, noff_n, primed, a_desc, l_desc, b_desc,
           a_bufs, b_bufs, ready, BK: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, LOCAL: gl.constexpr,
-          g_desc, g_row, store, STORE: gl.constexpr):
+          g_desc=None, g_row=0, store=False, STORE: gl.constexpr = False):
     """K-step `ki` of the tile (the program's `cons`-th): wait for its tiles, issue its wgmma, retire
     the previous one, then refill the slot that one read with K-step ki + STAGES - 1, which is the
     next tile's once this tile's run out (issued only where `primed`: there is a next tile and its
@@ -255,7 +255,7 @@ def _rs_mm_kernel(
                                                           a_blk, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         acc = _step(acc, False, cons, 0, k_tiles, row_a, False, off_n, nrow_a, False, noff_n, has_next, a_desc,
-                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False, a_desc, 0, False, False)
+                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
         cons += 1
 
         # under the first wgmma: the previous tile's store has read the buffer, and an own tile whose
@@ -275,14 +275,14 @@ def _rs_mm_kernel(
         k_rel = gl.minimum(k_tiles, RELEASE_STEP)
         for ki in range(1, k_rel):
             acc = _step(acc, True, cons, ki, k_tiles, row_a, False, off_n, nrow_a, False, noff_n, has_next, a_desc,
-                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False, a_desc, 0, False, False)
+                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
             cons += 1
         if pending >= 0:  # a few K-steps on, the previous peer tile's store is surely complete: release it
             _release(cnt_ptr + pending)
             pending = -1
         for ki in range(k_rel, k_tiles):
             acc = _step(acc, True, cons, ki, k_tiles, row_a, False, off_n, nrow_a, False, noff_n, has_next, a_desc,
-                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False, a_desc, 0, False, False)
+                    a_desc, b_desc, a_bufs, b_bufs, ready, BK, STAGES, B_TRANS, False)
             cons += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         acc = _row_scale(acc, a_scale_ptr, row_a, BM, A_SCALE)  # the Triton kernel's order: a's, b's, the rest
