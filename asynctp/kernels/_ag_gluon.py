@@ -12,7 +12,8 @@ _rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
 - the local source's rows (LOCAL) come from a second host descriptor over a_local, chosen per
   load (the compiler makes the branch a select of the descriptor address: one TMA issue);
 - out leaves by TMA store from one 128x256 shared buffer (column scales and bias applied in two
-  column halves);
+  column halves), or, where the ring leaves room for half a tile only (HALF_C: 4 stages of
+  128x256 tiles), from a 128x128 one, the halves stored in turn;
 - STORE_A (the fused all-gather keeps the gathered rows): each row block's tile of the first
   columns also stores every a tile it loads into the gathered rows (TMA, from the ring slot), so
   the gathered rows cost their writes only, not a copy of the workspace beside the GEMM;
@@ -39,7 +40,7 @@ from asynctp.kernels._ag_kernel import _scale_mode, operands
 from asynctp.kernels._rs_gluon import (
     _DTYPES, _GL_DTYPES, FP8, _async_global_fence, _buffers, _col_scale, _finish_half, _load, _spin, _step, _tile,
 )
-from asynctp.kernels.configs import Config
+from asynctp.kernels.configs import Config, gluon_fits
 from asynctp.kernels.triton_util import FastLaunch
 
 
@@ -93,6 +94,7 @@ def _ag_mm_kernel(
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
     STAGES: gl.constexpr, WAIT: gl.constexpr, RESET: gl.constexpr, LOCAL: gl.constexpr, B_TRANS: gl.constexpr,
     A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_A: gl.constexpr,
+    HALF_C: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
     # wgmma accumulator: each warp 16 rows, m64n256 instructions per warpgroup (k16; fp8: k32)
@@ -159,15 +161,25 @@ def _ag_mm_kernel(
         if A_SCALE == 2:  # the tile's rows' (the local source's: a_local_scale's, from `row` as a_local's)
             rows = row + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
             acc = acc * gl.load(gl.where(loc, l_scale_ptr, a_scale_ptr) + rows)[:, None]
-        if HAS_BIAS or B_SCALE != 0:  # in two column halves, as _rs_gluon's own tiles (fewer registers)
+        if HALF_C:  # the buffer holds half a tile (a deeper ring fits): each half stored in turn
             h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
-            _half(h0, c_buf.slice(0, BN // 2, dim=1), b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
-            _half(h1, c_buf.slice(BN // 2, BN // 2, dim=1), b_scale_ptr, bias_ptr, off_n + BN // 2, N, B_SCALE,
-                  HAS_BIAS)
+            _half(h0, c_buf, b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)
+            tma.store_wait(0)
+            _half(h1, c_buf, b_scale_ptr, bias_ptr, off_n + BN // 2, N, B_SCALE, HAS_BIAS)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row_out, off_n + BN // 2], c_buf)
         else:
-            c_buf.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)
+            if HAS_BIAS or B_SCALE != 0:  # in two column halves, as _rs_gluon's own tiles (fewer registers)
+                h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
+                _half(h0, c_buf.slice(0, BN // 2, dim=1), b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
+                _half(h1, c_buf.slice(BN // 2, BN // 2, dim=1), b_scale_ptr, bias_ptr, off_n + BN // 2, N, B_SCALE,
+                      HAS_BIAS)
+            else:
+                c_buf.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)
         if RESET:
             if src != local_src:  # the chunk's last tile resets its counter and flag for the next call
                 old = gl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
@@ -202,7 +214,8 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
         a_local_scale = a_scale.reshape(-1)[cmap.local_src * rows_per_src:]
     a_desc = _desc(a, list(a.shape), [a.stride(0), 1], [bm, bk])
     l_desc = a_desc if a_local is None else _desc(a_local, [rows_per_src, k], [a_local.stride(0), 1], [bm, bk])
-    c_desc = _desc(out, [m_total, nn_], [out.stride(0), 1], [bm, bn])
+    half_c = not gluon_fits(cfg, a.element_size(), out.element_size())  # a deeper ring: half a tile staged
+    c_desc = _desc(out, [m_total, nn_], [out.stride(0), 1], [bm, bn // 2 if half_c else bn])
     g_desc = a_desc if a_gathered is None else _desc(a_gathered, list(a_gathered.shape), [a_gathered.stride(0), 1],
                                                      [bm, bk])
     tiles = (m_total // bm) * triton.cdiv(nn_, bn)
@@ -217,8 +230,8 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
         nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
         bm, bn, bk, cfg.group_m, grid[0], stages,  # BM, BN, BK, GROUP_M, NUM_SMS, STAGES
         signals is not None, counters is not None, a_local is not None, b_trans, a_mode, b_mode, bias is not None,
-        a_gathered is not None,
-    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A
+        a_gathered is not None, half_c,
+    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A, HALF_C
 
 
 _launch = FastLaunch(_ag_mm_kernel)

@@ -161,7 +161,8 @@ def _gluon_serves(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: b
     """The Gluon kernel takes the operands (configs.gluon_takes) in chunks of whole tiles, where it
     has not failed to build and the Triton kernel would not split a last wave of a short grid
     (SPLIT_WAVES)."""
-    if not (gluon_takes(a, b, out, scaled, cfg) and chunk_rows % cfg.block_m == 0 and _gluon_failed is None):
+    if not (gluon_takes(a, b, out, scaled, cfg, half_out=True) and chunk_rows % cfg.block_m == 0
+            and _gluon_failed is None):
         return False
     tiles = a.shape[0] // cfg.block_m * -(-out.shape[1] // cfg.block_n)
     split = cfg.split and split_parts(tiles, num_sms, -(-a.shape[1] // cfg.block_k)) > 1

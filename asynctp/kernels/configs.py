@@ -41,24 +41,26 @@ def split_parts(tiles: int, num_sms: int, k_tiles: int) -> int:
     return parts if parts >= 2 else 1
 
 
-def gluon_fits(cfg: Config, itemsize: int, out_itemsize: int = 2) -> bool:
+def gluon_fits(cfg: Config, itemsize: int, out_itemsize: int = 2, half_out: bool = False) -> bool:
     """Whether a Gluon GEMM's ring (cfg.stages K-steps of a's and b's tiles) and its epilogue
-    buffer (one output tile) fit Hopper's 227 KiB of shared memory, less 2 KiB for barriers and
-    layout scratch."""
+    buffer (one output tile, or half of one: half_out) fit Hopper's 227 KiB of shared memory,
+    less 2 KiB for barriers and layout scratch."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
-    return ring + cfg.block_m * cfg.block_n * out_itemsize <= 227 * 1024 - 2048
+    return ring + cfg.block_m * cfg.block_n * out_itemsize // (2 if half_out else 1) <= 227 * 1024 - 2048
 
 
-def gluon_takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, cfg: Config) -> bool:
+def gluon_takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: bool, cfg: Config,
+                half_out: bool = False) -> bool:
     """Whether the Gluon GEMMs take these operands with cfg: on CUDA, 16-bit ones (out too)
     without scales, or fp8 e4m3 ones with b as nn.Linear's weight.t() (wgmma reads fp8 K-major),
-    any scales and bf16 out, where the ring and epilogue buffer fit shared memory; 128x256 tiles
+    any scales and bf16 out, where the ring and epilogue buffer fit shared memory (half_out: the
+    all-gather's GEMM stages half an output tile where a whole one does not fit); 128x256 tiles
     on 8 warps."""
+    fits = gluon_fits(cfg, a.element_size(), out.element_size(), half_out)
     sixteen = a.dtype in (torch.bfloat16, torch.float16) and out.dtype == a.dtype and not scaled
-    fp8 = (a.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16 and b.stride(0) == 1 and b.shape[1] > 1
-           and gluon_fits(cfg, 1))
-    return a.is_cuda and (sixteen or fp8) and b.dtype == a.dtype and (cfg.block_m, cfg.block_n, cfg.warps) == (
-        128, 256, 8)
+    fp8 = a.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16 and b.stride(0) == 1 and b.shape[1] > 1
+    return a.is_cuda and fits and (sixteen or fp8) and b.dtype == a.dtype and (
+        cfg.block_m, cfg.block_n, cfg.warps) == (128, 256, 8)
 
 
 # Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer

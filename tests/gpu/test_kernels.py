@@ -203,7 +203,7 @@ def _gather_case(mode: str, b_layout: str, world: int = 2, blocks: int = 2, rows
 
 
 def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: bool, scales=None,
-            gathered: torch.Tensor | None = None) -> tuple:
+            gathered: torch.Tensor | None = None, config: Config | None = None) -> tuple:
     """(out, flags, counters) of one launch: every awaited flag set in advance, counters on;
     gathered: the rows to store, which the launch says it stored where it runs the Gluon kernel."""
     world = ws.shape[0] // (cmap.blocks * rows)
@@ -213,12 +213,13 @@ def _gather(ws, b, mine, bias, cmap: ChunkMap, rows: int, pivot: int, gluon: boo
     counters = torch.zeros_like(flags)
     out = torch.full((ws.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
     _, sa, sa_mine, sb = scales or (None,) * 4
+    config = config or (WHOLE8 if scales else WHOLE)
     stored = launch(ws, b, out, flags, (flags.numel(), 1, world), rows, pivot, cmap, a_local=mine, counters=counters,
-                    bias=bias, a_scale=sa, a_local_scale=sa_mine, b_scale=sb, config=WHOLE8 if scales else WHOLE,
-                    gluon=gluon, gathered=gathered)
+                    bias=bias, a_scale=sa, a_local_scale=sa_mine, b_scale=sb, config=config, gluon=gluon,
+                    gathered=gathered)
     assert stored == (gluon and gathered is not None)
     assert not gluon or aim._gluon_failed is None, aim._gluon_failed  # (else the Triton kernel ran)
-    assert aim._gluon_serves(ws, b, out, scales is not None, rows, WHOLE8 if scales else WHOLE, aim.sm_count(ws.device))
+    assert aim._gluon_serves(ws, b, out, scales is not None, rows, config, aim.sm_count(ws.device))
     return out, flags, counters
 
 
@@ -258,6 +259,23 @@ def test_gather_kernels_agree(mode, b_layout, programs, monkeypatch):
     _, ws, mine, b, bias, cmap, scales = _gather_case(mode, b_layout)
     got = [_gather(ws, b, mine, bias, cmap, 512, 1, gluon, scales) for gluon in (True, False)]
     assert all(torch.equal(x, y) for x, y in zip(*got))
+
+
+@pytest.mark.parametrize("mode", ["waits", "local-bias-batch-major", "fp8 rowwise local-bias-batch-major",
+                                  "fp8 tensorwise"])
+def test_gather_gluon_deeper_ring_is_bit_equal(mode, monkeypatch):
+    """A 4-stage ring with half an output tile staged (the halves stored in turn) gives the outputs of
+    3 stages and a whole tile bit for bit, on 7 programs, the gathered rows stored by both."""
+    monkeypatch.setattr(aim, "sm_count", lambda device: 7)
+    full, ws, mine, b, bias, cmap, scales = _gather_case(mode, "weight.t()")
+    fp8 = scales is not None
+    got = []
+    for stages in (3, 4):
+        gathered = torch.full_like(full, float("nan"))
+        cfg = Config(128, 256, 128 if fp8 else 64, stages=stages, warps=8, split=False)
+        got.append((*_gather(ws, b, mine, bias, cmap, 512, 1, True, scales, gathered, cfg), gathered))
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(*got))
+    assert not got[1][0].isnan().any()
 
 
 def test_gather_falls_back_to_triton(monkeypatch):

@@ -45,22 +45,24 @@ def main() -> None:
     for mod in (aim, producer_mm):
         mod._gluon_serves = lambda *args: True
         mod.sm_count = lambda device: 132
-    world, m, n, k = 2, 1024, 384, 256
+    world, m, n, k = 2, 1024, 384, 512  # (K-steps enough for a 4-stage ring)
     for dtype, scales in ((torch.bfloat16, None), (torch.float8_e4m3fn, "rowwise"), (torch.float8_e4m3fn, "tensorwise")):
         fp8 = scales is not None
         cfg = Config(128, 256, 128 if fp8 else 64, stages=3, warps=8, split=False)
+        deep = Config(128, 256, 128 if fp8 else 64, stages=4, warps=8, split=False)  # half a tile staged
         rows = world * m if scales == "rowwise" else 1
         sa = torch.ones(rows, 1) if fp8 else None
         sb = torch.ones(1, n if scales == "rowwise" else 1) if fp8 else None
         b = torch.zeros(n, k).to(dtype).t()  # nn.Linear's weight.t()
-        for store in (True, False):
-            _ag_gluon._launch = _compile_only(_ag_gluon._ag_mm_kernel, f"all-gather {dtype} {scales} store {store}")
+        for store, c in ((True, cfg), (False, cfg), (True, deep)):
+            _ag_gluon._launch = _compile_only(_ag_gluon._ag_mm_kernel,
+                                              f"all-gather {dtype} {scales} store {store} stages {c.stages}")
             a = torch.zeros(world * m, k).to(dtype)
             out = torch.empty(world * m, n, dtype=torch.bfloat16 if fp8 else dtype)
             stored = aim.launch(a, b, out, torch.zeros(4, dtype=torch.int32), (4, 1, world), m // 2, 0,
                                 ChunkMap(blocks=2, local_src=0), a_local=a[:m] if store else None,
                                 counters=torch.zeros(4, dtype=torch.int32), a_scale=sa, b_scale=sb,
-                                bias=torch.zeros(n, dtype=torch.bfloat16) if store else None, config=cfg, gluon=True,
+                                bias=torch.zeros(n, dtype=torch.bfloat16) if store else None, config=c, gluon=True,
                                 gathered=torch.empty(world * m, k).to(dtype) if store else None)
             assert stored == store
         _rs_gluon._launch = _compile_only(_rs_gluon._rs_mm_kernel, f"reduce-scatter {dtype} {scales}")

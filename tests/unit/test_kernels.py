@@ -104,15 +104,15 @@ def test_kernels_in_triton_interpreter():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler)")
 def test_gluon_kernels_compile_for_hopper():
     """The Gluon kernels compile for sm_90 without a GPU (Triton's compiler and ptxas), through the
-    launch functions the ops call: the all-gather GEMM storing the gathered rows and not, the
-    reduce-scatter producer, bf16 and fp8 rowwise and tensorwise (in a fresh process: the script
+    launch functions the ops call: the all-gather GEMM storing the gathered rows and not, with a
+    4-stage ring (half an output tile staged), the reduce-scatter producer, bf16 and fp8 rowwise and tensorwise (in a fresh process: the script
     replaces Triton's driver)."""
     script = os.path.join(os.path.dirname(__file__), "_gluon_compiled.py")
     from tests.multiprocess import script_env
 
     res = subprocess.run([sys.executable, script], env=script_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.count("compiled") == 9 and res.stdout.strip().endswith("ok"), res.stdout
+    assert res.stdout.count("compiled") == 12 and res.stdout.strip().endswith("ok"), res.stdout
 
 
 def test_unmeasured_shapes_start_the_bf16_reduce_scatter_on_the_single_launch_path():
@@ -177,10 +177,12 @@ def test_the_last_partial_wave_is_split_along_k(tiles, sms, k_tiles, parts):
                                                          (4, 64, 2, False)])
 def test_gluon_ring_and_epilogue_buffer_fit_shared_memory(stages, block_k, itemsize, fits):
     """128x256 tiles: 3 stages of fp8 128-deep or 16-bit 64-deep K-steps and a bf16 output tile fit
-    227 KiB (208 KiB), 4 do not (256 KiB)."""
+    227 KiB (208 KiB), 4 do not (256 KiB); 4 with half an output tile do (224 KiB), 5 do not."""
     from asynctp.kernels.configs import Config, gluon_fits
 
     assert gluon_fits(Config(128, 256, block_k, stages=stages), itemsize) is fits
+    assert gluon_fits(Config(128, 256, block_k, stages=stages), itemsize, half_out=True)
+    assert not gluon_fits(Config(128, 256, block_k, stages=5), itemsize, half_out=True)
 
 
 def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
