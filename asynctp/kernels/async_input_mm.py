@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asynctp.kernels.configs import Config, gluon_takes, pick_config, split_parts
+from asynctp.kernels.configs import Config, gluon_takes, pick_config, split_parts, whole_tile
 from asynctp.kernels.triton_util import sm_count, triton_available
 
 __all__ = ["async_input_mm", "ChunkMap", "chunk_order"]
@@ -219,6 +219,7 @@ def launch(
         ran, _, _gluon_failed = kern.try_gluon(run, bool(gluon), "the all-gather")
         if ran:
             return gathered is not None
+    args = args[:15] + (whole_tile(cfg, a.element_size(), out.element_size()), num_sms)  # (a Gluon-only ring)
     kern.launch(*args, a_local=a_local, a_local_scale=a_local_scale)
     return False
 

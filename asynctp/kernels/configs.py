@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["Config", "split_parts", "gluon_fits", "gluon_takes", "candidates", "pick_config", "remember", "load_tuned",
-           "save_tuned", "tuned", "tune"]
+__all__ = ["Config", "split_parts", "gluon_fits", "gluon_takes", "whole_tile", "candidates", "pick_config", "remember",
+           "load_tuned", "save_tuned", "tuned", "tune"]
 
 
 @dataclass(frozen=True)
@@ -63,36 +63,53 @@ def gluon_takes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scaled: boo
         cfg.block_m, cfg.block_n, cfg.warps) == (128, 256, 8)
 
 
-# Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer
-# (128x256x64 with 4 stages does not).
+# Shapes that fit Hopper's 227 KiB of shared memory with the epilogue's staging buffer, and last
+# the all-gather's Gluon GEMM with a 4-stage ring beside half an output tile (other kernels stage a
+# whole tile: they run it with 3 stages, whole_tile; the reduce-scatter's tuning skips it).
 _TABLE: dict[str, list[Config]] = {
     "16bit": [Config(128, 256, 64, stages=3, warps=8), Config(64, 256, 64, stages=4, warps=4),
               Config(128, 256, 64, stages=3, warps=8, flatten=False),
-              Config(128, 256, 64, stages=3, warps=8, split=False)],
+              Config(128, 256, 64, stages=3, warps=8, split=False),
+              Config(128, 256, 64, stages=4, warps=8, split=False)],
     "fp8": [Config(128, 256, 128, stages=3, warps=8), Config(128, 128, 128, stages=4, warps=4),
-            Config(256, 128, 128, stages=3, warps=8), Config(128, 256, 128, stages=3, warps=8, split=False)],
+            Config(256, 128, 128, stages=3, warps=8), Config(128, 256, 128, stages=3, warps=8, split=False),
+            Config(128, 256, 128, stages=4, warps=8, split=False)],
 }
 
 _tuned: dict[tuple, Config] = {}
+
+
+def whole_tile(cfg: Config, itemsize: int, out_itemsize: int = 2) -> Config:
+    """cfg for the kernels that stage a whole output tile beside their ring (the Triton kernels,
+    the reduce-scatter's Gluon GEMM): cfg where both fit shared memory (gluon_fits), else with as
+    many stages fewer as it takes."""
+    stages = cfg.stages
+    while stages > 2 and not gluon_fits(replace(cfg, stages=stages), itemsize, out_itemsize):
+        stages -= 1
+    return cfg if stages == cfg.stages else replace(cfg, stages=stages)
 
 
 def _kind(dtype: torch.dtype) -> str:
     return "fp8" if dtype.itemsize == 1 else "16bit"
 
 
-def candidates(dtype: torch.dtype) -> list[Config]:
-    """The configurations worth timing for operands of `dtype`, the default first."""
-    return list(_TABLE[_kind(dtype)])
+def candidates(dtype: torch.dtype, whole: bool = False) -> list[Config]:
+    """The configurations worth timing for operands of `dtype`, the default first; whole: only
+    those that stage a whole output tile as they are (whole_tile)."""
+    table = _TABLE[_kind(dtype)]
+    return [c for c in table if whole_tile(c, dtype.itemsize) == c] if whole else list(table)
 
 
-def _key(dtype: torch.dtype, m: int, n: int, k: int) -> tuple:
-    return (_kind(dtype), m, n, k)
+def _key(dtype: torch.dtype, m: int, n: int, k: int, scatter: bool = False) -> tuple:
+    """A problem's key: the reduce-scatter's producer tunes apart from the all-gather's GEMM."""
+    return (_kind(dtype) + ("-rs" if scatter else ""), m, n, k)
 
 
-def pick_config(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int | None = None) -> Config:
-    """The tuned configuration of this problem if one was timed, else the table's default whose
-    tile divides the chunks (so no tile spans two chunks)."""
-    cfg = _tuned.get(_key(dtype, m, n, k))
+def pick_config(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int | None = None,
+                scatter: bool = False) -> Config:
+    """The tuned configuration of this problem (scatter: the reduce-scatter's) if one was timed,
+    else the table's default whose tile divides the chunks (so no tile spans two chunks)."""
+    cfg = _tuned.get(_key(dtype, m, n, k, scatter))
     if cfg is not None and (chunk_rows is None or chunk_rows % cfg.block_m == 0):
         return cfg
     for cfg in candidates(dtype):
@@ -101,8 +118,8 @@ def pick_config(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int | No
     return candidates(dtype)[0]
 
 
-def remember(dtype: torch.dtype, m: int, n: int, k: int, cfg: Config) -> None:
-    _tuned[_key(dtype, m, n, k)] = cfg
+def remember(dtype: torch.dtype, m: int, n: int, k: int, cfg: Config, scatter: bool = False) -> None:
+    _tuned[_key(dtype, m, n, k, scatter)] = cfg
 
 
 def tuned() -> dict[str, dict]:
@@ -129,19 +146,20 @@ def save_tuned(path: str) -> None:
     os.replace(tmp, path)
 
 
-def tune(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int, time_us, path: str | None = None) -> Config:
+def tune(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int, time_us, path: str | None = None,
+         scatter: bool = False) -> Config:
     """The fastest candidate for this problem, timed once: `time_us(cfg)` runs the GEMM with cfg
     and returns its median time (raising where cfg cannot run). Remembered for the process and,
     with `path`, saved there and read back by later processes (the first use of a shape on a
     machine pays the compiles and timings). Candidates whose tile does not divide the chunks are
-    skipped."""
-    key = _key(dtype, m, n, k)
+    skipped; scatter: the reduce-scatter producer's problem (whole-tile candidates, its own key)."""
+    key = _key(dtype, m, n, k, scatter)
     if path is not None and key not in _tuned:
         load_tuned(path)
     if key in _tuned and chunk_rows % _tuned[key].block_m == 0:
         return _tuned[key]
     best, best_us = None, float("inf")
-    for cfg in candidates(dtype):
+    for cfg in candidates(dtype, whole=scatter):
         if chunk_rows % cfg.block_m:
             continue
         try:
@@ -150,8 +168,8 @@ def tune(dtype: torch.dtype, m: int, n: int, k: int, chunk_rows: int, time_us, p
             continue
         if us < best_us:
             best, best_us = cfg, us
-    best = best or pick_config(dtype, m, n, k, chunk_rows)
-    remember(dtype, m, n, k, best)
+    best = best or pick_config(dtype, m, n, k, chunk_rows, scatter)
+    remember(dtype, m, n, k, best, scatter)
     if path is not None:
         save_tuned(path)
     return best

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from asynctp.kernels.configs import Config, gluon_takes, pick_config
+from asynctp.kernels.configs import Config, gluon_takes, pick_config, whole_tile
 from asynctp.kernels.triton_util import sm_count
 
 __all__ = ["schedule", "producer_mm_reference", "launch_producer"]
@@ -102,7 +102,10 @@ def launch_producer(
 
     m, n = out.shape
     k = a.shape[1]
-    cfg = config or pick_config(a.dtype, m * world_size, n, k, m // blocks)
+    # both kernels stage a whole output tile (it receives the peers' partial): a deeper ring of the
+    # all-gather's table runs with fewer stages
+    cfg = whole_tile(config or pick_config(a.dtype, m * world_size, n, k, m // blocks, scatter=True), a.element_size(),
+                     out.element_size())
     items = kern._items(tuple(x for item in schedule(rank, world_size, blocks) for x in item), a.device)
     args = (a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals, sig_strides, counters,
             reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))

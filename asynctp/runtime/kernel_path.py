@@ -60,16 +60,31 @@ def _kernels_cache() -> str:
     return os.path.join(base, "asynctp", "kernels.json")
 
 
-def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.device) -> Config:
+def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.device, scatter: bool) -> Config:
     """The tile configuration of a problem: timed once per shape on this machine (the table's
-    candidates on random operands, kept in _kernels_cache()), then looked up."""
+    candidates on random operands, kept in _kernels_cache()), then looked up. The all-gather's
+    GEMM is timed as its call runs where the caller keeps the gathered rows (as training does):
+    stored by the GEMM where it can, else copied out beside it on another stream; the
+    reduce-scatter's (scatter) as a plain GEMM."""
     def time_us(cfg: Config) -> float:
         fp8 = dtype.itemsize == 1
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(n, k, device=device).to(dtype).t()
         out = torch.empty(m, n, device=device, dtype=torch.bfloat16 if fp8 else dtype)
         one = torch.ones((), device=device) if fp8 else None
-        run = lambda: launch(a, b, out, None, (1, 1, 0), m, 0, ChunkMap(), a_scale=one, b_scale=one, config=cfg)  # noqa: E731
+        kept = None if scatter else torch.empty_like(a)
+        side = torch.cuda.Stream(device)
+
+        def run():
+            main = torch.cuda.current_stream(device)
+            start = main.record_event()
+            if not launch(a, b, out, None, (1, 1, 0), m, 0, ChunkMap(), a_scale=one, b_scale=one, config=cfg,
+                          gathered=kept) and kept is not None:
+                side.wait_event(start)
+                with torch.cuda.stream(side):
+                    kept.copy_(a)
+                main.wait_stream(side)
+
         run()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
         for start, end in events:
@@ -80,8 +95,8 @@ def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch
         return sorted(s.elapsed_time(e) for s, e in events)[2] * 1e3
 
     if torch.cuda.is_current_stream_capturing():  # a graph of a call seen before: its shape is tuned
-        return tune(dtype, m, n, k, rows, _not_now)
-    return tune(dtype, m, n, k, rows, time_us, path=_kernels_cache())
+        return tune(dtype, m, n, k, rows, _not_now, scatter=scatter)
+    return tune(dtype, m, n, k, rows, time_us, path=_kernels_cache(), scatter=scatter)
 
 
 def _not_now(cfg: Config) -> float:
@@ -126,16 +141,16 @@ def _scatter_blocks(m: int, segment: int) -> tuple[int, int]:
     return (2, m // 2) if m % 256 == 0 else (1, m)
 
 
-def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
+def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int, scatter: bool) -> str | None:
     """Why the GEMM cannot serve a problem of a ([rows, K] operand), m_total x n cut into
     `blocks` blocks of `rows` rows per rank (None: it can). Kept per workspace and problem (asked
     at every call; the problem's tile is tuned on first use), except the stream-operation check
     (a capture may be under way)."""
-    key = (a.dtype, m_total, n, a.shape[1], a.stride(1), blocks, rows)
+    key = (a.dtype, m_total, n, a.shape[1], a.stride(1), blocks, rows, scatter)
     per_ws = _served.setdefault(ws, {})
     why = per_ws.get(key, False)
     if why is False:
-        why = _device_ready(ws, a.dtype) or _shape_served(ws, a, m_total, n, blocks, rows)
+        why = _device_ready(ws, a.dtype) or _shape_served(ws, a, m_total, n, blocks, rows, scatter)
         if ws.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # (a capture cannot tune)
             per_ws[key] = why
     if why is None and not ws.uses_stream_ops():
@@ -144,13 +159,13 @@ def _serves(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -
     return why
 
 
-def _shape_served(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int) -> str | None:
+def _shape_served(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: int, scatter: bool) -> str | None:
     if blocks > _MAX_BLOCKS:
         return f"{blocks} blocks per rank exceed {_MAX_BLOCKS}"
     k = a.shape[1]
     if (k * a.element_size()) % 16 or (n * 2) % 16 or a.stride(1) != 1:
         return "rows must be 16-byte aligned for TMA"
-    cfg = _config(a.dtype, m_total, n, k, rows, ws.device)
+    cfg = _config(a.dtype, m_total, n, k, rows, ws.device, scatter)
     if rows % cfg.block_m:
         return f"blocks of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
     return None
@@ -161,7 +176,7 @@ def gather_available(ws, shard_2d: torch.Tensor, segment: int, k_mode: bool, n_m
     if k_mode:
         return "gathering along K is accumulated per block"
     m = shard_2d.shape[0]
-    return _serves(ws, shard_2d, m * ws.world_size, n_min, *_gather_blocks(m, segment))
+    return _serves(ws, shard_2d, m * ws.world_size, n_min, *_gather_blocks(m, segment), scatter=False)
 
 
 def _gather_blocks(m: int, segment: int) -> tuple[int, int]:
@@ -291,7 +306,8 @@ def scatter_available(ws, a_2d: torch.Tensor, n: int, segment: int, n_mode: bool
     """None where matmul_scatter serves this call, else why not."""
     if n_mode:
         return "scattering along N is a column split"
-    return _serves(ws, a_2d, a_2d.shape[0], n, *_scatter_blocks(a_2d.shape[0] // ws.world_size, segment))
+    return _serves(ws, a_2d, a_2d.shape[0], n, *_scatter_blocks(a_2d.shape[0] // ws.world_size, segment),
+                   scatter=True)
 
 
 def matmul_scatter(ws, a_2d: torch.Tensor, b: torch.Tensor, reduce_op: str, bias: torch.Tensor | None, *,

@@ -276,6 +276,9 @@ def test_gather_gluon_deeper_ring_is_bit_equal(mode, monkeypatch):
         got.append((*_gather(ws, b, mine, bias, cmap, 512, 1, True, scales, gathered, cfg), gathered))
     assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(*got))
     assert not got[1][0].isnan().any()
+    # the Triton kernel takes the deeper ring's config with 3 stages (a whole tile staged)
+    triton = _gather(ws, b, mine, bias, cmap, 512, 1, False, scales, None, cfg)
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got[0][:3], triton))
 
 
 def test_gather_falls_back_to_triton(monkeypatch):

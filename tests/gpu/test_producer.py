@@ -56,6 +56,7 @@ def test_producer_kernels_agree(operands):
     world, blocks, m, n, k = 2, 2, 1024, 768, 640
     fp8 = operands.startswith("fp8")
     whole = Config(128, 256, 128 if fp8 else 64, split=False)
+    deep = Config(128, 256, 128 if fp8 else 64, stages=4, split=False)  # the all-gather's ring: 3 stages here
     dt = FP8 if fp8 else torch.bfloat16
     a = (torch.randn(world * m, k, device="cuda") * 2).to(dt)
     b = ((torch.randn(k, n, device="cuda") * 2).to(dt) if operands == "bf16 [K, N]"
@@ -67,17 +68,18 @@ def test_producer_kernels_agree(operands):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     for reduce_op, bias_ in (("sum", None), ("avg", bias)):
         got = []
-        for gluon in (True, False):
+        for gluon, cfg in ((True, whole), (False, whole), (True, deep), (False, deep)):
             partials = torch.full((world - 1, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             flags = torch.ones(world * blocks, dtype=torch.int32, device="cuda")
             counters = torch.zeros(world * blocks + blocks, dtype=torch.int32, device="cuda")
-            launch_producer(a, b, partials, received, out, 1, world, blocks, (m, m // blocks), flags, (1, world),
-                            counters, reduce_op=reduce_op, a_scale=sa, b_scale=sb, bias=bias_, gluon=gluon,
-                            config=whole)
+            _, ran = launch_producer(a, b, partials, received, out, 1, world, blocks, (m, m // blocks), flags,
+                                     (1, world), counters, reduce_op=reduce_op, a_scale=sa, b_scale=sb, bias=bias_,
+                                     gluon=gluon, config=cfg)
+            assert ran == whole
             got.append((partials, out, flags, counters))
         assert producer_mm._gluon_failed is None and producer_mm._gluon_serves(a, b, out, fp8, whole)
-        assert all(torch.equal(x, y) for x, y in zip(*got))
+        assert all(torch.equal(x, y) for other in got[1:] for x, y in zip(got[0], other))
         if fp8:  # rank 1's peer block: rank 0's rows
             want = torch._scaled_mm(a[:m], b, sa[:m] if rowwise else sa, sb, out_dtype=torch.bfloat16)
             assert sqnr(want, got[0][0][0]) >= 40

@@ -4,6 +4,7 @@ Triton installed, the kernels themselves run in Triton's interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -151,6 +152,40 @@ def test_tuner_times_once_keeps_the_fastest_and_persists(tmp_path):
     configs.tune(torch.bfloat16, 192, 64, 64, 64, time_us)
     assert all(64 % c.block_m == 0 for c in timed)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_reduce_scatter_tunes_apart_on_whole_tile_configs(dtype, tmp_path):
+    """The table's deeper ring (the all-gather's Gluon GEMM, half an output tile staged) runs
+    with 3 stages in the kernels that stage a whole tile, is never timed for the reduce-scatter's
+    producer, and the producer's pick for a problem does not replace the all-gather's."""
+    from asynctp.kernels import configs
+
+    deep = [c for c in configs.candidates(dtype) if configs.whole_tile(c, dtype.itemsize) != c]
+    assert [(c.block_m, c.block_n, c.stages, c.split) for c in deep] == [(128, 256, 4, False)]
+    assert configs.whole_tile(deep[0], dtype.itemsize) == dataclasses.replace(deep[0], stages=3)
+    assert all(configs.gluon_fits(c, dtype.itemsize, half_out=True) for c in configs.candidates(dtype))
+    assert configs.candidates(dtype, whole=True) == [c for c in configs.candidates(dtype) if c not in deep]
+
+    configs._tuned.clear()
+    path = str(tmp_path / "kernels.json")
+    shape = (dtype, 4096, 3584, 8192)
+    timed = []
+
+    def time_us(cfg):
+        timed.append(cfg)
+        return 80.0 if cfg == deep[0] else 100.0 - len(timed)
+
+    assert configs.tune(*shape, 2048, time_us, path=path) == deep[0]
+    timed.clear()
+    rs = configs.tune(*shape, 2048, time_us, path=path, scatter=True)
+    assert deep[0] not in timed and len(timed) == len(configs.candidates(dtype)) - 1 and rs == timed[-1]
+    assert configs.pick_config(*shape, 2048) == deep[0] and configs.pick_config(*shape, 2048, scatter=True) == rs
+    configs._tuned.clear()  # another process reads both back
+    assert configs.pick_config(*shape, 2048, scatter=True) == configs.candidates(dtype)[0]
+    assert configs.tune(*shape, 2048, lambda cfg: 1 / 0, path=path, scatter=True) == rs
+    assert configs.tune(*shape, 2048, lambda cfg: 1 / 0, path=path) == deep[0]
+    configs._tuned.clear()
 
 
 @pytest.mark.parametrize(
