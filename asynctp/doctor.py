@@ -70,8 +70,8 @@ def _backend_lines(n: int) -> list[str]:
     if n >= 2 and p2p:
         return [
             "backend: cuda symmetric memory for groups of these GPUs (every pair has peer access)",
-            f"  {ops}: strategy auto -> pipeline where the tuning table says it wins (or, for an",
-            "    unmeasured shape, from the M 4096 x 3584 x 8192 seed shape's FLOPs up), else serial",
+            f"  {ops}: strategy auto -> fused or pipeline where the tuning table says it wins (for an",
+            "    unmeasured shape, from the M 2048 x 3584 x 8192 seed shape's FLOPs up), else serial",
             "  all_gather, reduce_scatter: copy-engine copies over the workspace",
             "  groups spanning hosts: no workspace -> strategy ring (NCCL send/recv) or serial, with a warning",
         ]

@@ -107,20 +107,24 @@ def pick(op: str, world_size: int, device: torch.device, shape_key: tuple) -> st
     return choice
 
 
-# ops whose single-launch GEMM measured at least as fast as the decomposition at the seed
-# shapes (2xH100, docs/performance.md): unmeasured shapes start there. Not the fp8 reduce-scatter
-# (its partials' push takes as long as its GEMM: fused 388-486 us against 133-434 pipelined, 2xH100)
-_FUSED_FIRST = ("matmul_reduce_scatter",)
+# ops whose single-launch GEMM measured at least as fast as the decomposition: unmeasured shapes
+# from this many times _MIN_PIPELINE_FLOP start there (docs/performance.md, 2xH100). The bf16
+# reduce-scatter at every seed shape; the bf16 all-gather from the seed's M 4096 (M 2048: fused
+# 192 us against 176 pipelined; the 8B-shaped training stack, batch 2: 115.5 ms a step fused
+# against 119.7). Not the fp8 reduce-scatter (its partials' push takes as long as its GEMM: fused
+# 388-486 us against 133-434 pipelined) nor the fp8 all-gathers (pipelined as fast at M 4096).
+_FUSED_FROM = {"matmul_reduce_scatter": 1, "all_gather_matmul": 2}
 
 
 def _rule(op: str, shape_key: tuple) -> str:
     """The choice for a shape nobody measured: from the M 2048 seed shape's FLOPs up, the
-    single-launch GEMM for the bf16 reduce-scatter (it falls back to the decomposition where it
-    cannot serve a call), the decomposition for the all-gathers; serial below."""
+    decomposition, or the single-launch GEMM where it measured as fast (_FUSED_FROM; it falls
+    back to the decomposition where it cannot serve a call); serial below."""
     _, m, n, k = shape_key
-    if 2 * m * n * k < _MIN_PIPELINE_FLOP:
+    flop = 2 * m * n * k
+    if flop < _MIN_PIPELINE_FLOP:
         return "serial"
-    return "fused" if op in _FUSED_FIRST else "pipeline"
+    return "fused" if op in _FUSED_FROM and flop >= _FUSED_FROM[op] * _MIN_PIPELINE_FLOP else "pipeline"
 
 
 def ring_pays(device: torch.device, shape_key: tuple) -> bool:

@@ -152,7 +152,8 @@ def test_compile_subpackage_loads_on_first_use():
 
 def test_rule_for_unmeasured_shapes():
     big, small = ("bfloat16", 8192, 3584, 8192), ("bfloat16", 1024, 3584, 8192)
-    assert tuning._rule("all_gather_matmul", big) == "pipeline"
+    assert tuning._rule("all_gather_matmul", big) == "fused"
+    assert tuning._rule("all_gather_matmul", ("bfloat16", 2048, 3584, 8192)) == "pipeline"
     assert tuning._rule("matmul_reduce_scatter", small) == "serial"
     assert tuning._rule("all_gather_scaled_matmul", ("float8_e4m3fn-rowwise", 8192, 3584, 8192)) == "pipeline"
     assert tuning._rule("scaled_matmul_reduce_scatter", ("float8_e4m3fn-rowwise", 1024, 8192, 3584)) == "serial"

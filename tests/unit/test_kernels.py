@@ -116,13 +116,17 @@ def test_gluon_kernels_compile_for_hopper():
     assert res.stdout.count("compiled") == 12 and res.stdout.strip().endswith("ok"), res.stdout
 
 
-def test_unmeasured_shapes_start_the_bf16_reduce_scatter_on_the_single_launch_path():
+def test_unmeasured_shapes_start_the_bf16_ops_on_the_single_launch_path():
     from asynctp.ops import tuning
 
     big = ("bfloat16", 8192, 3584, 8192)
     assert tuning._rule("matmul_reduce_scatter", big) == "fused"
+    assert tuning._rule("matmul_reduce_scatter", ("bfloat16", 2048, 3584, 8192)) == "fused"
     assert tuning._rule("scaled_matmul_reduce_scatter", ("float8_e4m3fn-rowwise", 8192, 3584, 8192)) == "pipeline"
-    assert tuning._rule("all_gather_matmul", big) == "pipeline"
+    assert tuning._rule("all_gather_matmul", big) == "fused"
+    assert tuning._rule("all_gather_matmul", ("bfloat16", 4096, 3584, 8192)) == "fused"
+    assert tuning._rule("all_gather_matmul", ("bfloat16", 2048, 3584, 8192)) == "pipeline"
+    assert tuning._rule("all_gather_scaled_matmul", ("float8_e4m3fn-rowwise", 8192, 3584, 8192)) == "pipeline"
     assert tuning._rule("matmul_reduce_scatter", ("bfloat16", 256, 256, 256)) == "serial"
 
 
