@@ -14,6 +14,11 @@ _rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
 - out leaves by TMA store from one 128x256 shared buffer (column scales and bias applied in two
   column halves), or, where the ring leaves room for half a tile only (HALF_C: 4 stages of
   128x256 tiles), from a 128x128 one, the halves stored in turn;
+- TAIL (with HALF_C, b as weight.t()): where the last wave is short (launch: 2 x its tiles fit the
+  grid), its tiles run in column halves, each half on its own program (n128 wgmma), so that the
+  wave takes about half a tile's time instead of a whole one's while the other SMs idle (448
+  tiles of 128x256 make 3.39 waves on 132 SMs); the halves add the same products in the same
+  order (bit-equal);
 - STORE_A (the fused all-gather keeps the gathered rows): each row block's tile of the first
   columns also stores every a tile it loads into the gathered rows (TMA, from the ring slot), so
   the gathered rows cost their writes only, not a copy of the workspace beside the GEMM;
@@ -21,6 +26,7 @@ _rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
   fp8 K-major) and the Triton kernel's scales in its order: acc * a_scale (numel 1, or per row,
   the local source's rows' from a_local_scale) * b_scale (numel 1, or per column) + bias, one
   rounding; chunks of whole tiles, no split-K tail (cfg.split is ignored).
+Counters count half tiles (a whole tile adds 2), so a chunk's last tile or half resets it.
 """
 
 from __future__ import annotations
@@ -87,14 +93,27 @@ def _half(h, buf, b_scale_ptr, bias_ptr, col, N, B_SCALE: gl.constexpr, HAS_BIAS
     _finish_half(_col_scale(h, b_scale_ptr, col, N, B_SCALE), buf, bias_ptr, col, N, 1, False, HAS_BIAS)
 
 
+@gluon.jit
+def _reset(cnt_ptr, sig_ptr, c, src, local_src, sig_src, sig_blk, blk, halves, tiles_per_group, RESET: gl.constexpr):
+    """A tile's (halves 2) or half's (1) count toward its chunk; the chunk's last resets its
+    counter and flag for the next call."""
+    if RESET:
+        if src != local_src:
+            old = gl.atomic_add(cnt_ptr + c, halves, sem="acq_rel", scope="gpu")
+            if old + halves == 2 * tiles_per_group:
+                gl.atomic_xchg(cnt_ptr + c, 0, sem="relaxed", scope="gpu")
+                gl.atomic_xchg(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="release", scope="sys")
+
+
 @gluon.jit(do_not_specialize=["pivot", "sig_src", "sig_blk"])  # vary per call: one compile
 def _ag_mm_kernel(
-    a_desc, l_desc, b_desc, c_desc, g_desc, sig_ptr, cnt_ptr, a_scale_ptr, l_scale_ptr, b_scale_ptr, bias_ptr,
-    N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, sig_src, sig_blk, out_src, out_blk,
+    a_desc, l_desc, b_desc, c_desc, g_desc, bh_desc, sig_ptr, cnt_ptr, a_scale_ptr, l_scale_ptr, b_scale_ptr,
+    bias_ptr, N, K, chunk_rows, rows_per_src, num_chunks, blocks, pivot, local_src, sig_src, sig_blk, out_src,
+    out_blk, full_tiles,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
     STAGES: gl.constexpr, WAIT: gl.constexpr, RESET: gl.constexpr, LOCAL: gl.constexpr, B_TRANS: gl.constexpr,
     A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_A: gl.constexpr,
-    HALF_C: gl.constexpr,
+    HALF_C: gl.constexpr, TAIL: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
     # wgmma accumulator: each warp 16 rows, m64n256 instructions per warpgroup (k16; fp8: k32)
@@ -110,7 +129,8 @@ def _ag_mm_kernel(
     tm = chunk_rows // BM
     tiles_per_group = tm * num_pid_n
     num_tiles = num_chunks * tiles_per_group
-    my_tiles = gl.cdiv(num_tiles - pid, NUM_SMS)  # the grid has at most num_tiles programs
+    # whole tiles [0, full_tiles) (a multiple of the grid where a tail follows), then the tail's halves
+    my_tiles = gl.maximum(gl.cdiv(full_tiles - pid, NUM_SMS), 0)
 
     c, src, blk, loc, row, row_out, off_n = _coords(pid, tiles_per_group, tm, num_pid_n, pivot, num_chunks, blocks,
                                                     chunk_rows, rows_per_src, local_src, out_src, out_blk, BM, BN,
@@ -180,13 +200,46 @@ def _ag_mm_kernel(
                 c_buf.store(acc.to(c_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)
-        if RESET:
-            if src != local_src:  # the chunk's last tile resets its counter and flag for the next call
-                old = gl.atomic_add(cnt_ptr + c, 1, sem="acq_rel", scope="gpu")
-                if old == tiles_per_group - 1:
-                    gl.atomic_xchg(cnt_ptr + c, 0, sem="relaxed", scope="gpu")
-                    gl.atomic_xchg(sig_ptr + src * sig_src + blk * sig_blk, 0, sem="release", scope="sys")
+        _reset(cnt_ptr, sig_ptr, c, src, local_src, sig_src, sig_blk, blk, 2, tiles_per_group, RESET)
         c, src, blk, loc, row, row_out, off_n = nc, nsrc, nblk, nloc, nrow, nrow_out, noff_n
+
+    if TAIL:  # at most one half tile per program, loaded from its own start (no next tile to prime)
+        if pid < 2 * (num_tiles - full_tiles):
+            h_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN // 2, 256 // dtype.primitive_bitwidth])
+            # the ring is idle here (no tile primed): its b slots taken as STAGES half-width ones
+            bh_bufs = b_bufs._reinterpret(dtype, [STAGES, BN // 2, BK], bh_desc.layout)
+            c, src, blk, loc, row, row_out, off_n = _coords(full_tiles + pid // 2, tiles_per_group, tm, num_pid_n,
+                                                            pivot, num_chunks, blocks, chunk_rows, rows_per_src,
+                                                            local_src, out_src, out_blk, BM, BN, GROUP_M, LOCAL)
+            off_n += (pid % 2) * (BN // 2)
+            if WAIT:
+                if (c != waited) & (src != local_src):
+                    _spin(sig_ptr + src * sig_src + blk * sig_blk)
+            _async_global_fence()
+            for s in gl.static_range(STAGES - 1):
+                _load(a_desc, l_desc, bh_desc, a_bufs, bh_bufs, ready, (cons + s) % STAGES, row, loc, off_n, s * BK,
+                      True, B_TRANS, LOCAL)
+            hst = STORE_A & (off_n == 0)
+            hacc = gl.zeros([BM, BN // 2], gl.float32, h_layout)
+            hacc = _step(hacc, False, cons, 0, k_tiles, row, loc, off_n, row, loc, off_n, False, a_desc, l_desc, bh_desc,
+                        a_bufs, bh_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, hst, STORE_A)
+            cons += 1
+            tma.store_wait(0)  # the previous tile's store has read c_buf
+            for ki in range(1, k_tiles):
+                hacc = _step(hacc, True, cons, ki, k_tiles, row, loc, off_n, row, loc, off_n, False, a_desc, l_desc,
+                            bh_desc, a_bufs, bh_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, hst, STORE_A)
+                cons += 1
+            hacc = warpgroup_mma_wait(0, deps=(hacc, ))
+            if A_SCALE == 1:
+                hacc = hacc * gl.load(a_scale_ptr)
+            if A_SCALE == 2:
+                hrows = row + gl.arange(0, BM, layout=gl.SliceLayout(1, h_layout))
+                hacc = hacc * gl.load(gl.where(loc, l_scale_ptr, a_scale_ptr) + hrows)[:, None]
+            _half(hacc, c_buf, b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)
+            _reset(cnt_ptr, sig_ptr, c, src, local_src, sig_src, sig_blk, blk, 1, tiles_per_group, RESET)
 
     tma.store_wait(0)
     for s in gl.static_range(STAGES):
@@ -219,19 +272,23 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     g_desc = a_desc if a_gathered is None else _desc(a_gathered, list(a_gathered.shape), [a_gathered.stride(0), 1],
                                                      [bm, bk])
     tiles = (m_total // bm) * triton.cdiv(nn_, bn)
-    grid = (max(1, min(num_sms, tiles)), )
+    # a short last wave in column halves (TAIL): with half an output tile staged and b as weight.t()
+    tail = tiles % num_sms if half_c and b_trans and 2 * (tiles % num_sms) <= num_sms else 0
+    grid = (max(1, min(num_sms, tiles - tail + 2 * tail)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
+    b_desc = _desc(*b_args)
+    bh_desc = _desc(b_args[0], b_args[1], b_args[2], [bn // 2, bk]) if half_c and b_trans else b_desc
     dummy = out
     _launch(grid, (
-        a_desc, l_desc, _desc(*b_args), c_desc, g_desc, signals if signals is not None else dummy,
+        a_desc, l_desc, b_desc, c_desc, g_desc, bh_desc, signals if signals is not None else dummy,
         counters if counters is not None else dummy, a_scale if a_scale is not None else dummy,
         a_local_scale if a_local_scale is not None else (a_scale if a_scale is not None else dummy),
         b_scale if b_scale is not None else dummy, bias if bias is not None else dummy,
         nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
-        bm, bn, bk, cfg.group_m, grid[0], stages,  # BM, BN, BK, GROUP_M, NUM_SMS, STAGES
+        tiles - tail, bm, bn, bk, cfg.group_m, grid[0], stages,  # full_tiles, BM, BN, BK, GROUP_M, NUM_SMS, STAGES
         signals is not None, counters is not None, a_local is not None, b_trans, a_mode, b_mode, bias is not None,
-        a_gathered is not None, half_c,
-    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A, HALF_C
+        a_gathered is not None, half_c, half_c and b_trans,
+    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A, HALF_C, TAIL
 
 
 _launch = FastLaunch(_ag_mm_kernel)
