@@ -14,7 +14,7 @@ _rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
 - out leaves by TMA store from one 128x256 shared buffer (column scales and bias applied in two
   column halves), or, where the ring leaves room for half a tile only (HALF_C: 4 stages of
   128x256 tiles), from a 128x128 one, the halves stored in turn;
-- TAIL (with HALF_C, b as weight.t()): where the last wave is short (launch: 2 x its tiles fit the
+- TAIL (with HALF_C): where the last wave is short (launch: 2 x its tiles fit the
   grid), its tiles run in column halves, each half on its own program (n128 wgmma), so that the
   wave takes about half a tile's time instead of a whole one's while the other SMs idle (448
   tiles of 128x256 make 3.39 waves on 132 SMs); the halves add the same products in the same
@@ -87,6 +87,21 @@ def _ready(want, c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, WAIT
 
 
 @gluon.jit
+def _begin(c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, a_desc, l_desc, b_desc, a_bufs, b_bufs, ready,
+           cons, row, loc, off_n, BK: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, B_TRANS: gl.constexpr,
+           LOCAL: gl.constexpr):
+    """The start of a tile whose loads were not issued early: its chunk awaited (unless this program
+    awaited it already, or it is the local source's), then its first STAGES - 1 K-steps requested."""
+    if WAIT:
+        if (c != waited) & (src != local_src):
+            _spin(sig_ptr + src * sig_src + blk * sig_blk)
+    _async_global_fence()
+    for s in gl.static_range(STAGES - 1):
+        _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + s) % STAGES, row, loc, off_n, s * BK, True,
+              B_TRANS, LOCAL)
+
+
+@gluon.jit
 def _half(h, buf, b_scale_ptr, bias_ptr, col, N, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Columns [col, col + width) of a tile (a's scales applied): * b_scale, + bias, one rounding,
     into their half of the epilogue buffer."""
@@ -139,14 +154,9 @@ def _ag_mm_kernel(
     waited = -1  # the chunk whose flag this program awaited last
     primed = pid < 0  # whether this tile's first STAGES - 1 K-steps are loading already
     for it in range(my_tiles):
-        if not primed:  # its chunk awaited here, then its first K-steps requested
-            if WAIT:
-                if (c != waited) & (src != local_src):
-                    _spin(sig_ptr + src * sig_src + blk * sig_blk)
-            _async_global_fence()
-            for s in gl.static_range(STAGES - 1):
-                _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + s) % STAGES, row, loc, off_n, s * BK,
-                      True, B_TRANS, LOCAL)
+        if not primed:
+            _begin(c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, a_desc, l_desc, b_desc, a_bufs, b_bufs,
+                   ready, cons, row, loc, off_n, BK, STAGES, WAIT, B_TRANS, LOCAL)
         waited = c
         has_next = it + 1 < my_tiles
         t_next = pid + gl.where(has_next, it + 1, it) * NUM_SMS
@@ -208,18 +218,13 @@ def _ag_mm_kernel(
             h_layout: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN // 2, 256 // dtype.primitive_bitwidth])
             # the ring is idle here (no tile primed): its b slots taken as STAGES half-width ones
-            bh_bufs = b_bufs._reinterpret(dtype, [STAGES, BN // 2, BK], bh_desc.layout)
+            bh_bufs = b_bufs._reinterpret(dtype, [STAGES] + bh_desc.block_type.shape, bh_desc.layout)
             c, src, blk, loc, row, row_out, off_n = _coords(full_tiles + pid // 2, tiles_per_group, tm, num_pid_n,
                                                             pivot, num_chunks, blocks, chunk_rows, rows_per_src,
                                                             local_src, out_src, out_blk, BM, BN, GROUP_M, LOCAL)
             off_n += (pid % 2) * (BN // 2)
-            if WAIT:
-                if (c != waited) & (src != local_src):
-                    _spin(sig_ptr + src * sig_src + blk * sig_blk)
-            _async_global_fence()
-            for s in gl.static_range(STAGES - 1):
-                _load(a_desc, l_desc, bh_desc, a_bufs, bh_bufs, ready, (cons + s) % STAGES, row, loc, off_n, s * BK,
-                      True, B_TRANS, LOCAL)
+            _begin(c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, a_desc, l_desc, bh_desc, a_bufs, bh_bufs,
+                   ready, cons, row, loc, off_n, BK, STAGES, WAIT, B_TRANS, LOCAL)
             hst = STORE_A & (off_n == 0)
             hacc = gl.zeros([BM, BN // 2], gl.float32, h_layout)
             hacc = _step(hacc, False, cons, 0, k_tiles, row, loc, off_n, row, loc, off_n, False, a_desc, l_desc, bh_desc,
@@ -273,11 +278,11 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
                                                      [bm, bk])
     tiles = (m_total // bm) * triton.cdiv(nn_, bn)
     # a short last wave in column halves (TAIL): with half an output tile staged and b as weight.t()
-    tail = tiles % num_sms if half_c and b_trans and 2 * (tiles % num_sms) <= num_sms else 0
+    tail = tiles % num_sms if half_c and 2 * (tiles % num_sms) <= num_sms else 0
     grid = (max(1, min(num_sms, tiles - tail + 2 * tail)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
     b_desc = _desc(*b_args)
-    bh_desc = _desc(b_args[0], b_args[1], b_args[2], [bn // 2, bk]) if half_c and b_trans else b_desc
+    bh_desc = _desc(*b_args[:3], [bn // 2, bk] if b_trans else [bk, bn // 2]) if half_c else b_desc
     dummy = out
     _launch(grid, (
         a_desc, l_desc, b_desc, c_desc, g_desc, bh_desc, signals if signals is not None else dummy,
@@ -287,7 +292,7 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
         nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
         tiles - tail, bm, bn, bk, cfg.group_m, grid[0], stages,  # full_tiles, BM, BN, BK, GROUP_M, NUM_SMS, STAGES
         signals is not None, counters is not None, a_local is not None, b_trans, a_mode, b_mode, bias is not None,
-        a_gathered is not None, half_c, half_c and b_trans,
+        a_gathered is not None, half_c, half_c,
     ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A, HALF_C, TAIL
 
 

@@ -262,15 +262,18 @@ def test_gather_kernels_agree(mode, b_layout, programs, monkeypatch):
 
 
 @pytest.mark.parametrize("programs", [7, 100, 200])
-@pytest.mark.parametrize("mode", ["waits", "local-bias-batch-major", "fp8 rowwise local-bias-batch-major",
-                                  "fp8 tensorwise"])
-def test_gather_gluon_deeper_ring_is_bit_equal(mode, programs, monkeypatch):
+@pytest.mark.parametrize("mode,b_layout", [("waits", "weight.t()"), ("waits", "[K, N]"),
+                                           ("local-bias-batch-major", "weight.t()"),
+                                           ("local-bias-batch-major", "[K, N]"),
+                                           ("fp8 rowwise local-bias-batch-major", "weight.t()"),
+                                           ("fp8 tensorwise", "weight.t()")])
+def test_gather_gluon_deeper_ring_is_bit_equal(mode, b_layout, programs, monkeypatch):
     """A 4-stage ring with half an output tile staged (the halves stored in turn) gives the outputs of
     3 stages and a whole tile bit for bit, the gathered rows stored by both, flags and counters reset.
     80 tiles: on 7 programs 77 whole and the last 3 in column halves (6 programs), on 200 all 80 in
     halves, on 100 none (a short last wave only where its halves fit the grid)."""
     monkeypatch.setattr(aim, "sm_count", lambda device: programs)
-    full, ws, mine, b, bias, cmap, scales = _gather_case(mode, "weight.t()")
+    full, ws, mine, b, bias, cmap, scales = _gather_case(mode, b_layout)
     fp8 = scales is not None
     got = []
     for stages in (3, 4):

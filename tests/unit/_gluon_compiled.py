@@ -54,12 +54,13 @@ def main() -> None:
         sa = torch.ones(rows, 1) if fp8 else None
         sb = torch.ones(1, n if scales == "rowwise" else 1) if fp8 else None
         b = torch.zeros(n, k).to(dtype).t()  # nn.Linear's weight.t()
-        for store, c in ((True, cfg), (False, cfg), (True, deep)):
-            _ag_gluon._launch = _compile_only(_ag_gluon._ag_mm_kernel,
-                                              f"all-gather {dtype} {scales} store {store} stages {c.stages}")
+        variants = [(True, cfg, b), (False, cfg, b), (True, deep, b)] + ([] if fp8 else [(True, deep, b.contiguous())])
+        for store, c, b_ in variants:
+            _ag_gluon._launch = _compile_only(_ag_gluon._ag_mm_kernel, f"all-gather {dtype} {scales} store {store} "
+                                              f"stages {c.stages} b {'[K, N]' if b_.is_contiguous() else 'weight.t()'}")
             a = torch.zeros(world * m, k).to(dtype)
             out = torch.empty(world * m, n, dtype=torch.bfloat16 if fp8 else dtype)
-            stored = aim.launch(a, b, out, torch.zeros(4, dtype=torch.int32), (4, 1, world), m // 2, 0,
+            stored = aim.launch(a, b_, out, torch.zeros(4, dtype=torch.int32), (4, 1, world), m // 2, 0,
                                 ChunkMap(blocks=2, local_src=0), a_local=a[:m] if store else None,
                                 counters=torch.zeros(4, dtype=torch.int32), a_scale=sa, b_scale=sb,
                                 bias=torch.zeros(n, dtype=torch.bfloat16) if store else None, config=c, gluon=True,
