@@ -215,25 +215,27 @@ def _ag_mm_kernel(
 
     if TAIL:  # at most one half tile per program, loaded from its own start (no next tile to prime)
         if pid < 2 * (num_tiles - full_tiles):
-            h_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN // 2, 256 // dtype.primitive_bitwidth])
+            h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                               instr_shape=[16, BN // 2,
+                                                                            256 // dtype.primitive_bitwidth])
             # the ring is idle here (no tile primed): its b slots taken as STAGES half-width ones
             bh_bufs = b_bufs._reinterpret(dtype, [STAGES] + bh_desc.block_type.shape, bh_desc.layout)
             c, src, blk, loc, row, row_out, off_n = _coords(full_tiles + pid // 2, tiles_per_group, tm, num_pid_n,
                                                             pivot, num_chunks, blocks, chunk_rows, rows_per_src,
                                                             local_src, out_src, out_blk, BM, BN, GROUP_M, LOCAL)
             off_n += (pid % 2) * (BN // 2)
-            _begin(c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, a_desc, l_desc, bh_desc, a_bufs, bh_bufs,
-                   ready, cons, row, loc, off_n, BK, STAGES, WAIT, B_TRANS, LOCAL)
+            _begin(c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, a_desc, l_desc, bh_desc, a_bufs,
+                   bh_bufs, ready, cons, row, loc, off_n, BK, STAGES, WAIT, B_TRANS, LOCAL)
             hst = STORE_A & (off_n == 0)
             hacc = gl.zeros([BM, BN // 2], gl.float32, h_layout)
-            hacc = _step(hacc, False, cons, 0, k_tiles, row, loc, off_n, row, loc, off_n, False, a_desc, l_desc, bh_desc,
-                        a_bufs, bh_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, hst, STORE_A)
+            hacc = _step(hacc, False, cons, 0, k_tiles, row, loc, off_n, row, loc, off_n, False, a_desc, l_desc,
+                         bh_desc, a_bufs, bh_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, hst, STORE_A)
             cons += 1
             tma.store_wait(0)  # the previous tile's store has read c_buf
             for ki in range(1, k_tiles):
                 hacc = _step(hacc, True, cons, ki, k_tiles, row, loc, off_n, row, loc, off_n, False, a_desc, l_desc,
-                            bh_desc, a_bufs, bh_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, hst, STORE_A)
+                             bh_desc, a_bufs, bh_bufs, ready, BK, STAGES, B_TRANS, LOCAL, g_desc, row_out, hst,
+                             STORE_A)
                 cons += 1
             hacc = warpgroup_mma_wait(0, deps=(hacc, ))
             if A_SCALE == 1:
@@ -277,7 +279,7 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     g_desc = a_desc if a_gathered is None else _desc(a_gathered, list(a_gathered.shape), [a_gathered.stride(0), 1],
                                                      [bm, bk])
     tiles = (m_total // bm) * triton.cdiv(nn_, bn)
-    # a short last wave in column halves (TAIL): with half an output tile staged and b as weight.t()
+    # a short last wave in column halves (TAIL: with half an output tile staged), 2 x its tiles within the grid
     tail = tiles % num_sms if half_c and 2 * (tiles % num_sms) <= num_sms else 0
     grid = (max(1, min(num_sms, tiles - tail + 2 * tail)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
