@@ -9,7 +9,9 @@
 # Steps: test (B's GPU tests matching TESTS, a pytest -k expression), demo / fp8demo (the compiled
 # 8B-shaped block, bf16 / fp8 rowwise, at DEMO_ARGS, default batch 1; vanilla TP in the same run),
 # titan (torchtitan, VARIANTS default "asynctp asynctp_fp8", eager; TITAN_GRAPHS=1: under torchtitan's
-# CUDA graphs; carry .torchtitan_kit), train
+# CUDA graphs; carry .torchtitan_kit), gputrace (both ranks' GPU activities per call of the fused op and
+# its local matmul's cuBLAS kernel, benchmarks/host_profile.py --gpu-trace, for each OP:M of GPUTRACE,
+# default all_gather_scaled_matmul_rowwise:4096), train
 # (train_bench.py at TRAIN_ARGS). Compiles are cached in .inductor_cache across steps and calls of a warm machine: a
 # cold compiled demo takes about 225 s on 2xH100, a cached one about 70-140 s.
 set -u
@@ -34,7 +36,7 @@ done
 run() { local name=$1 limit=$2 dir=$3; shift 3; echo "== $name"; local t0=$SECONDS
   (cd $dir && PYTHONPATH=$dir timeout -s ABRT -k 15 $limit "$@") > $W/$name.log 2>&1
   echo "   rc=$? $((SECONDS - t0)) s"; grep -v -i "warn\|return func" $W/$name.log | tail -${TAILN:-10}
-  tar czf $OUT/ab.tgz -C $W . ; }
+  tar czf $OUT/ab.tgz --exclude="*trace_*.json.gz" -C $W . ; }
 DEMO="python3 -m asynctp.cli demo --model 8b-block --compile ${DEMO_ARGS:---batch-size 1 --steps 30 --sync-every 10}"
 for s in ${STEPS:-fp8demo}; do
   for side in $SIDES; do
@@ -46,6 +48,10 @@ for s in ${STEPS:-fp8demo}; do
       titan) [ -d $dir/.torchtitan_kit ] || cp -r $A/.torchtitan_kit $dir/
              run titan_$side 300 $dir env VARIANTS="${VARIANTS:-asynctp asynctp_fp8}" GRAPHS=${TITAN_GRAPHS:-0} LIMIT=140 STEPS=20 WARMUP=8 \
                bash benchmarks/torchtitan_bench.sh $W/titan_$side ;;
+      gputrace) for e in ${GPUTRACE:-all_gather_scaled_matmul_rowwise:4096}; do
+                  IFS=: read -r o m <<< "$e"
+                  TAILN=30 run gputrace_${o}_${m}_$side 150 $dir python3 benchmarks/host_profile.py $W/gputrace_$side \
+                    --op $o --strategy fused --graphs auto --m $m --calls 20 --gpu-trace; done ;;
       train) run train_$side 540 $dir python3 benchmarks/train_bench.py --out $W/train_$side ${TRAIN_ARGS:---batch-sizes 1 --configs compiled} ;;
     esac
   done
