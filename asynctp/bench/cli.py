@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for <op>_<hardware>_<date>.json/.md/.png and README.md ('' for none)")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graphed variants")
     parser.add_argument("--tune", action="store_true",
-                        help="record the fastest eager strategy per shape in asynctp's tuning cache, then time auto")
+                        help="record the fastest eager strategy per shape in asynctp's tuning cache (the two "
+                             "fastest, where within 5%%, timed head to head), then time auto")
     parser.add_argument("--hardware", default=None, help="results file tag (default e.g. 2xH200)")
     parser.add_argument("--verbose", "-v", action="store_true", help="name every step before it runs (stderr)")
     parser.add_argument("--contention", action="store_true",

@@ -78,7 +78,7 @@ def bench_float8(cache: str) -> list[dict]:
 _ROW_KEYS = {
     "op", "shape_set", "layer", "shape", "m", "n", "k", "num_bs", "dtype", "world_size", "device", "hardware",
     "torch", "triton", "date", "command", "iters", "warmup", "tuned", "times_us", "skipped", "bound_us",
-    "efficiency", "auto_strategy", "tuned_strategy", "auto_vs_serial", "error", "graph_calls", "isolated_us",
+    "efficiency", "auto_strategy", "tuned_strategy", "tune_rounds_us", "auto_vs_serial", "error", "graph_calls", "isolated_us",
     "host_us",
 }
 

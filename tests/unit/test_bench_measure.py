@@ -94,3 +94,34 @@ def test_rounds_of_three_put_each_variant_at_each_position_after_each_other(monk
     blocks = ["".join(calls[i : i + 2]) for i in range(0, len(calls), 2)]
     orders = ["".join(b[0] for b in blocks[i : i + 3]) for i in range(0, len(blocks), 3)]
     assert orders == ["abc", "bca", "cab", "cba", "acb", "bac"]
+
+
+@pytest.mark.parametrize("blocks, rounds, picked, head", [
+    ({"pipeline": 100.0, "fused": 104.0}, [101.0, 98.0], "fused", True),  # within 5%: the rounds decide
+    ({"pipeline": 100.0, "fused": 104.0}, [98.0, 101.0], "pipeline", True),
+    ({"pipeline": 100.0, "fused": 110.0}, None, "pipeline", False),  # apart: the blocks decide
+    ({"pipeline": 130.0, "fused": 131.0}, [120.0, 119.0], "serial", True),  # neither beats serial's 120 by 1%
+])
+def test_tune_decides_close_strategies_head_to_head(blocks, rounds, picked, head, monkeypatch):
+    from types import SimpleNamespace
+
+    from asynctp.ops import tuning
+
+    recorded, timed = [], []
+
+    def rounds_us(fns, iters, warmup, group, device):
+        timed.append(len(fns))
+        return rounds
+
+    monkeypatch.setattr(measure, "rounds_us", rounds_us)
+    monkeypatch.setattr(measure, "exchange", lambda group, what, value: [value])
+    monkeypatch.setattr(tuning, "record", lambda *args: recorded.append(args[-1]))
+    times = {measure.variant(s): t for s, t in blocks.items()} | {"serial": 120.0}
+    row = SimpleNamespace(times=times, say=lambda what: None, problem=SimpleNamespace(op="op", shape_key=()),
+                          cfg=measure.BenchConfig(ops=("all_gather_matmul",), shape_sets=("tiny",)), group=None,
+                          device=None)
+    best, got = measure._tune(row, ["pipeline", "fused"], 2)
+    assert best == picked and recorded == [picked]
+    assert timed == ([2] if head else []) and bool(got) == head
+    if head:
+        assert got == {"asynctp_pipeline": rounds[0], "asynctp_fused": rounds[1]}
