@@ -44,7 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from asynctp.kernels._ag_kernel import _scale_mode, operands
 from asynctp.kernels._rs_gluon import (
-    _DTYPES, _GL_DTYPES, FP8, _async_global_fence, _buffers, _col_scale, _finish_half, _load, _spin, _step, _tile,
+    _DTYPES, _GL_DTYPES, FP8, _async_global_fence, _buffers, _col_scale, _finish_half, _load, _row_scale, _spin,
+    _step, _tile,
 )
 from asynctp.kernels.configs import Config, gluon_fits
 from asynctp.kernels.triton_util import FastLaunch
@@ -99,6 +100,13 @@ def _begin(c, src, blk, waited, local_src, sig_ptr, sig_src, sig_blk, a_desc, l_
     for s in gl.static_range(STAGES - 1):
         _load(a_desc, l_desc, b_desc, a_bufs, b_bufs, ready, (cons + s) % STAGES, row, loc, off_n, s * BK, True,
               B_TRANS, LOCAL)
+
+
+@gluon.jit
+def _a_scales(loc, a_scale_ptr, l_scale_ptr, A_SCALE: gl.constexpr):
+    """a's scales of a tile: rowwise ones of the local source's rows from a_local_scale (indexed
+    by `row` as a_local's rows are), every other from a_scale."""
+    return gl.where(loc & (A_SCALE == 2), l_scale_ptr, a_scale_ptr)
 
 
 @gluon.jit
@@ -186,11 +194,7 @@ def _ag_mm_kernel(
                 tma.store_wait(0)
 
         # the Triton kernel's epilogue, in its order: * a_scale, * b_scale, + bias
-        if A_SCALE == 1:
-            acc = acc * gl.load(a_scale_ptr)
-        if A_SCALE == 2:  # the tile's rows' (the local source's: a_local_scale's, from `row` as a_local's)
-            rows = row + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-            acc = acc * gl.load(gl.where(loc, l_scale_ptr, a_scale_ptr) + rows)[:, None]
+        acc = _row_scale(acc, _a_scales(loc, a_scale_ptr, l_scale_ptr, A_SCALE), row, BM, A_SCALE)
         if HALF_C:  # the buffer holds half a tile (a deeper ring fits): each half stored in turn
             h0, h1 = acc.reshape([BM, 2, BN // 2]).permute(0, 2, 1).split()
             _half(h0, c_buf, b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
@@ -238,11 +242,7 @@ def _ag_mm_kernel(
                              STORE_A)
                 cons += 1
             hacc = warpgroup_mma_wait(0, deps=(hacc, ))
-            if A_SCALE == 1:
-                hacc = hacc * gl.load(a_scale_ptr)
-            if A_SCALE == 2:
-                hrows = row + gl.arange(0, BM, layout=gl.SliceLayout(1, h_layout))
-                hacc = hacc * gl.load(gl.where(loc, l_scale_ptr, a_scale_ptr) + hrows)[:, None]
+            hacc = _row_scale(hacc, _a_scales(loc, a_scale_ptr, l_scale_ptr, A_SCALE), row, BM, A_SCALE)
             _half(hacc, c_buf, b_scale_ptr, bias_ptr, off_n, N, B_SCALE, HAS_BIAS)
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [row_out, off_n], c_buf)

@@ -208,19 +208,19 @@ def launch(
     cfg = config or pick_config(a.dtype, m_total, nn_, k, chunk_rows)
     b, b_trans = kern.b_operand(b)  # nn.Linear's weight.t() read as [N, K] row-major
     num_sms = sm_count(a.device)
-    args = (a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale, bias,
-            cfg, num_sms)
+    args = (a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale, bias)
     if gluon is not False and _gluon_serves(a, b, out, a_scale is not None or b_scale is not None, chunk_rows, cfg,
                                             num_sms):
         from asynctp.kernels import _ag_gluon
 
-        run = lambda: _ag_gluon.launch(*args, a_local=a_local, a_local_scale=a_local_scale,  # noqa: E731
-                                       a_gathered=gathered)
+        run = lambda: _ag_gluon.launch(*args, cfg, num_sms, a_local=a_local,  # noqa: E731
+                                       a_local_scale=a_local_scale, a_gathered=gathered)
         ran, _, _gluon_failed = kern.try_gluon(run, bool(gluon), "the all-gather")
         if ran:
             return gathered is not None
-    args = args[:15] + (whole_tile(cfg, a.element_size(), out.element_size()), num_sms)  # (a Gluon-only ring)
-    kern.launch(*args, a_local=a_local, a_local_scale=a_local_scale)
+    # the Triton kernel stages a whole output tile: a Gluon-only deeper ring runs with fewer stages
+    kern.launch(*args, whole_tile(cfg, a.element_size(), out.element_size()), num_sms, a_local=a_local,
+                a_local_scale=a_local_scale)
     return False
 
 

@@ -73,7 +73,7 @@ def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch
         out = torch.empty(m, n, device=device, dtype=torch.bfloat16 if fp8 else dtype)
         one = torch.ones((), device=device) if fp8 else None
         kept = None if scatter else torch.empty_like(a)
-        side = torch.cuda.Stream(device)
+        side = None if scatter else torch.cuda.Stream(device)
 
         def run():
             main = torch.cuda.current_stream(device)
