@@ -32,6 +32,7 @@ import torch
 from asynctp.config import get_config
 from asynctp.kernels.async_input_mm import ChunkMap, launch
 from asynctp.kernels.configs import Config, tune
+from asynctp.kernels import tune_timers
 from asynctp.kernels.producer_mm import launch_producer
 from asynctp.kernels.triton_util import RawPointer, triton_available
 from asynctp.runtime.transport import Runs, place, rank_order
@@ -60,43 +61,18 @@ def _kernels_cache() -> str:
     return os.path.join(base, "asynctp", "kernels.json")
 
 
-def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.device, scatter: bool) -> Config:
+def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.device, scatter: bool,
+            world: int = 2) -> Config:
     """The tile configuration of a problem: timed once per shape on this machine (the table's
-    candidates on random operands, kept in _kernels_cache()), then looked up. The all-gather's
-    GEMM is timed as its call runs where the caller keeps the gathered rows (as training does):
+    candidates on random operands, kept in _kernels_cache()), then looked up. Each kernel is timed
+    as its call runs it: the all-gather's GEMM with the gathered rows kept (as training does),
     stored by the GEMM where it can, else copied out beside it on another stream; the
-    reduce-scatter's (scatter) as a plain GEMM."""
-    def time_us(cfg: Config) -> float:
-        fp8 = dtype.itemsize == 1
-        a = torch.randn(m, k, device=device).to(dtype)
-        b = torch.randn(n, k, device=device).to(dtype).t()
-        out = torch.empty(m, n, device=device, dtype=torch.bfloat16 if fp8 else dtype)
-        one = torch.ones((), device=device) if fp8 else None
-        kept = None if scatter else torch.empty_like(a)
-        side = None if scatter else torch.cuda.Stream(device)
-
-        def run():
-            main = torch.cuda.current_stream(device)
-            start = main.record_event()
-            if not launch(a, b, out, None, (1, 1, 0), m, 0, ChunkMap(), a_scale=one, b_scale=one, config=cfg,
-                          gathered=kept) and kept is not None:
-                side.wait_event(start)
-                with torch.cuda.stream(side):
-                    kept.copy_(a)
-                main.wait_stream(side)
-
-        run()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
-        for start, end in events:
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize(device)
-        return sorted(s.elapsed_time(e) for s, e in events)[2] * 1e3
-
+    reduce-scatter's producer (scatter) as rank 0 of `world`, every peer's partial already there."""
     if torch.cuda.is_current_stream_capturing():  # a graph of a call seen before: its shape is tuned
         return tune(dtype, m, n, k, rows, _not_now, scatter=scatter)
-    return tune(dtype, m, n, k, rows, time_us, path=_kernels_cache(), scatter=scatter)
+    time_us = tune_timers.producer if scatter else tune_timers.gather
+    return tune(dtype, m, n, k, rows, time_us(dtype, m, n, k, rows, device, world), path=_kernels_cache(),
+                scatter=scatter)
 
 
 def _not_now(cfg: Config) -> float:
@@ -165,7 +141,7 @@ def _shape_served(ws, a: torch.Tensor, m_total: int, n: int, blocks: int, rows: 
     k = a.shape[1]
     if (k * a.element_size()) % 16 or (n * 2) % 16 or a.stride(1) != 1:
         return "rows must be 16-byte aligned for TMA"
-    cfg = _config(a.dtype, m_total, n, k, rows, ws.device, scatter)
+    cfg = _config(a.dtype, m_total, n, k, rows, ws.device, scatter, ws.world_size)
     if rows % cfg.block_m:
         return f"blocks of {rows} rows are not a multiple of the {cfg.block_m}-row tile"
     return None

@@ -123,3 +123,16 @@ def test_producer_falls_back_to_triton(monkeypatch, capsys):
         monkeypatch.setattr(producer_mm, "_gluon_failed", None)
         launch_producer(a, b, partials, received, out, 0, world, blocks, (m, m), torch.ones(world, dtype=torch.int32,
                         device="cuda"), (1, world), torch.zeros(world + 1, dtype=torch.int32, device="cuda"), gluon=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_the_tuner_times_the_producer(dtype):
+    """The kernel tuner's timer of the reduce-scatter runs the producer itself with each of its
+    candidates (the Gluon kernel for 128 x 256 tiles, the Triton one for the others), flags and
+    counters reset before each run: every run completes (a run that found its flags cleared would
+    wait for ever) and takes a positive time."""
+    from asynctp.kernels import configs, tune_timers
+
+    time_us = tune_timers.producer(dtype, 2048, 1024, 512, 512, torch.device("cuda"), 2)
+    for cfg in configs.candidates(dtype, whole=True):
+        assert 0 < time_us(cfg) < 1e5, cfg

@@ -192,6 +192,78 @@ def test_the_reduce_scatter_tunes_apart_on_whole_tile_configs(dtype, tmp_path):
     configs._tuned.clear()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_producer_is_timed_as_its_call_runs_it(dtype, monkeypatch):
+    """The reduce-scatter's tile is timed on the producer itself, as rank 0 of the op's world:
+    its chunk in blocks of the call's rows, every peer's flag set and the counters zeroed before
+    each run (a run clears and counts them), b as weight.t(), unit scales for fp8; operands made
+    once per problem, at the first timing."""
+    from asynctp.kernels import configs, tune_timers
+
+    world, m, n, k, rows = 4, 1024, 96, 64, 128
+    seen = []
+
+    def fake_launch(a, b, partials, received, out, rank, world_, blocks, a_strides, flags, sig_strides, counters, *,
+                    a_scale, b_scale, config):
+        assert (rank, world_, blocks, a_strides, sig_strides) == (0, world, 2, (256, 128), (1, world))
+        assert a.shape == (m, k) and b.shape == (k, n) and b.stride(0) == 1 and a.dtype == b.dtype == dtype
+        assert out.shape == (256, n) and partials.shape == (world - 1, 256, n) and received.shape == (world, 256, n)
+        assert out.dtype == torch.bfloat16 and (a_scale is None) == (dtype == torch.bfloat16) == (b_scale is None)
+        assert flags.eq(1).all() and flags.numel() == world * 2 and counters.eq(0).all() and counters.numel() == world * 2 + 2
+        flags[1:].zero_()  # as the own tiles leave the peers' flags
+        counters[:2].fill_(7)  # as the peer tiles count
+        seen.append((config, a.data_ptr()))
+
+    def fake_median(run, reset, device):
+        for _ in range(3):
+            reset()
+            run()
+        return 10.0 + len(seen)
+
+    monkeypatch.setattr(tune_timers, "launch_producer", fake_launch)
+    monkeypatch.setattr(tune_timers, "_median_us", fake_median)
+    time_us = tune_timers.producer(dtype, m, n, k, rows, torch.device("cpu"), world)
+    assert not seen  # nothing made before the first timing
+    whole = configs.candidates(dtype, whole=True)
+    assert [time_us(c) for c in whole[:2]] == [13.0, 16.0]
+    assert [c for c, _ in seen] == [whole[0]] * 3 + [whole[1]] * 3 and len({p for _, p in seen}) == 1
+
+
+def test_the_kernel_tuner_times_each_kernel_as_it_runs(monkeypatch, tmp_path):
+    """kernel_path._config times the reduce-scatter's producer (with the op's world size) and
+    the all-gather's GEMM, each under its own key; a problem already tuned times nothing."""
+    from asynctp.kernels import configs, tune_timers
+    from asynctp.runtime import kernel_path
+
+    made, timed = [], []
+
+    def timer(kind):
+        def make(dtype, m, n, k, rows, device, world):
+            made.append((kind, m, n, k, rows, world))
+
+            def time_us(cfg):
+                timed.append(kind)
+                return 5.0 if cfg == configs.candidates(dtype, whole=True)[-1] else 9.0
+            return time_us
+        return make
+
+    monkeypatch.setattr(tune_timers, "producer", timer("producer"))
+    monkeypatch.setattr(tune_timers, "gather", timer("gather"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernel_path, "_kernels_cache", lambda: str(tmp_path / "kernels.json"))
+    configs._tuned.clear()
+    dt = torch.bfloat16
+    rs = kernel_path._config(dt, 4096, 3584, 8192, 1024, torch.device("cpu"), True, 4)
+    ag = kernel_path._config(dt, 4096, 3584, 8192, 1024, torch.device("cpu"), False, 4)
+    assert made == [("producer", 4096, 3584, 8192, 1024, 4), ("gather", 4096, 3584, 8192, 1024, 4)]
+    assert timed == ["producer"] * len(configs.candidates(dt, whole=True)) + ["gather"] * len(configs.candidates(dt))
+    assert rs == configs.candidates(dt, whole=True)[-1] and ag == rs
+    assert kernel_path._config(dt, 4096, 3584, 8192, 1024, torch.device("cpu"), True, 4) == rs
+    assert len(timed) == len(configs.candidates(dt, whole=True)) + len(configs.candidates(dt))
+    assert configs.pick_config(dt, 4096, 3584, 8192, scatter=True) == rs
+    configs._tuned.clear()
+
+
 @pytest.mark.parametrize(
     "tiles, sms, k_tiles, parts",
     [
