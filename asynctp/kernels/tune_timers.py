@@ -32,7 +32,8 @@ def gather(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.
     @functools.cache
     def made():
         a, b, out_dtype, one = _operands(dtype, m, n, k, device)
-        return a, b, torch.empty(m, n, device=device, dtype=out_dtype), one, torch.empty_like(a), torch.cuda.Stream(device)
+        out = torch.empty(m, n, device=device, dtype=out_dtype)
+        return a, b, out, one, torch.empty_like(a), torch.cuda.Stream(device)
 
     def time_us(cfg: Config) -> float:
         a, b, out, one, kept, side = made()

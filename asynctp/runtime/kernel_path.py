@@ -30,9 +30,9 @@ import weakref
 import torch
 
 from asynctp.config import get_config
+from asynctp.kernels import tune_timers
 from asynctp.kernels.async_input_mm import ChunkMap, launch
 from asynctp.kernels.configs import Config, tune
-from asynctp.kernels import tune_timers
 from asynctp.kernels.producer_mm import launch_producer
 from asynctp.kernels.triton_util import RawPointer, triton_available
 from asynctp.runtime.transport import Runs, place, rank_order
