@@ -32,9 +32,12 @@ for p in $PATCH; do
     mkdir -p $d && cp -r "$A/." $d && (cd $d && git apply "$A/$p") || { echo "$p does not apply"; rm -rf $d; exit 1; }
   fi
 done
-# run NAME LIMIT DIR CMD...: CMD in DIR with DIR's package on the path
+# run NAME LIMIT DIR CMD...: CMD in DIR with DIR's package on the path and its own caches of tuned
+# strategies and tiles (XDG_CACHE_HOME: a side's code never reads another's picks, which older code
+# may not run), named as its tree (A: by the sources' hash), so the calls of one warm machine reuse them
 run() { local name=$1 limit=$2 dir=$3; shift 3; echo "== $name"; local t0=$SECONDS
-  (cd $dir && PYTHONPATH=$dir timeout -s ABRT -k 15 $limit "$@") > $W/$name.log 2>&1
+  local cache=/tmp/asynctp-ab/cache_A_$SRC; case $dir in /tmp/asynctp-ab/tree_*) cache=${dir/tree_/cache_} ;; esac
+  (cd $dir && PYTHONPATH=$dir XDG_CACHE_HOME=$cache timeout -s ABRT -k 15 $limit "$@") > $W/$name.log 2>&1
   echo "   rc=$? $((SECONDS - t0)) s"; grep -v -i "warn\|return func" $W/$name.log | tail -${TAILN:-10}
   tar czf $OUT/ab.tgz --exclude="*trace_*.json.gz" -C $W . ; }
 DEMO="python3 -m asynctp.cli demo --model 8b-block --compile ${DEMO_ARGS:---batch-size 1 --steps 30 --sync-every 10}"
