@@ -14,7 +14,7 @@ _rs_gluon._tile) and the pipeline, written out by hand as in _rs_gluon:
 - out leaves by TMA store from one 128x256 shared buffer (column scales and bias applied in two
   column halves), or, where the ring leaves room for half a tile only (HALF_C: 4 stages of
   128x256 tiles), from a 128x128 one, the halves stored in turn;
-- TAIL (with HALF_C): where the last wave is short (launch: 2 x its tiles fit the
+- the tail (with HALF_C): where the last wave is short (launch: 2 x its tiles fit the
   grid), its tiles run in column halves, each half on its own program (n128 wgmma), so that the
   wave takes about half a tile's time instead of a whole one's while the other SMs idle (448
   tiles of 128x256 make 3.39 waves on 132 SMs); the halves add the same products in the same
@@ -136,7 +136,7 @@ def _ag_mm_kernel(
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
     STAGES: gl.constexpr, WAIT: gl.constexpr, RESET: gl.constexpr, LOCAL: gl.constexpr, B_TRANS: gl.constexpr,
     A_SCALE: gl.constexpr, B_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_A: gl.constexpr,
-    HALF_C: gl.constexpr, TAIL: gl.constexpr,
+    HALF_C: gl.constexpr,
 ):
     dtype: gl.constexpr = a_desc.dtype
     # wgmma accumulator: each warp 16 rows, m64n256 instructions per warpgroup (k16; fp8: k32)
@@ -217,7 +217,7 @@ def _ag_mm_kernel(
         _reset(cnt_ptr, sig_ptr, c, src, local_src, sig_src, sig_blk, blk, 2, tiles_per_group, RESET)
         c, src, blk, loc, row, row_out, off_n = nc, nsrc, nblk, nloc, nrow, nrow_out, noff_n
 
-    if TAIL:  # at most one half tile per program, loaded from its own start (no next tile to prime)
+    if HALF_C:  # the tail: at most one half tile per program, loaded from its own start (no next tile to prime)
         if pid < 2 * (num_tiles - full_tiles):
             h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                                instr_shape=[16, BN // 2,
@@ -279,7 +279,7 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
     g_desc = a_desc if a_gathered is None else _desc(a_gathered, list(a_gathered.shape), [a_gathered.stride(0), 1],
                                                      [bm, bk])
     tiles = (m_total // bm) * triton.cdiv(nn_, bn)
-    # a short last wave in column halves (TAIL: with half an output tile staged), 2 x its tiles within the grid
+    # a short last wave in column halves (with half an output tile staged), 2 x its tiles within the grid
     tail = tiles % num_sms if half_c and 2 * (tiles % num_sms) <= num_sms else 0
     grid = (max(1, min(num_sms, tiles - tail + 2 * tail)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
@@ -294,8 +294,8 @@ def launch(a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, 
         nn_, k, chunk_rows, rows_per_src, n, cmap.blocks, pivot, cmap.local_src, sig_src, sig_blk, out_src, out_blk,
         tiles - tail, bm, bn, bk, cfg.group_m, grid[0], stages,  # full_tiles, BM, BN, BK, GROUP_M, NUM_SMS, STAGES
         signals is not None, counters is not None, a_local is not None, b_trans, a_mode, b_mode, bias is not None,
-        a_gathered is not None, half_c, half_c,
-    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A, HALF_C, TAIL
+        a_gathered is not None, half_c,
+    ), num_warps=cfg.warps)  # WAIT, RESET, LOCAL, B_TRANS, A_SCALE, B_SCALE, HAS_BIAS, STORE_A, HALF_C
 
 
 _launch = FastLaunch(_ag_mm_kernel)

@@ -62,7 +62,7 @@ def _kernels_cache() -> str:
 
 
 def _config(dtype: torch.dtype, m: int, n: int, k: int, rows: int, device: torch.device, scatter: bool,
-            world: int = 2) -> Config:
+            world: int) -> Config:
     """The tile configuration of a problem: timed once per shape on this machine (the table's
     candidates on random operands, kept in _kernels_cache()), then looked up. Each kernel is timed
     as its call runs it: the all-gather's GEMM with the gathered rows kept (as training does),
