@@ -46,6 +46,10 @@ for s in ${STEPS:-kernels ops bench}; do
     skew) for t0 in $R/trace_*_rank0.json.gz; do
             TAILN=30 step 120 skew_$(basename "$t0" _rank0.json.gz) python3 benchmarks/trace_kernels.py --skew "$t0" \
               "${t0%_rank0.json.gz}_rank1.json.gz" --steps ${SKEW_STEPS:-5}; done ;;
+    # each demo run's GPU idle gaps, by the activity that ended them (after `demo --profile-gpu --trace`: 10 steps)
+    gaps) for t0 in $R/trace_*_rank0.json.gz; do
+            TAILN=30 step 120 gaps_$(basename "$t0" _rank0.json.gz) python3 benchmarks/trace_kernels.py --gaps "$t0" \
+              "${t0%_rank0.json.gz}_rank1.json.gz" --steps ${GAPS_STEPS:-10}; done ;;
     hostdemo) step ${DEMO_LIMIT:-300} hostdemo python3 -m asynctp.cli demo --model 8b-block --host-profile --out $R/hostdemo ${HOSTDEMO_ARGS:-} ;;
     contention) step 150 contention python3 -m asynctp.cli bench --contention --out $R ;;
     demo) step ${DEMO_LIMIT:-300} demo python3 -m asynctp.cli demo --model 8b-block --out $R ${DEMO_ARGS:-} ;;

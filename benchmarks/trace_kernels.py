@@ -18,6 +18,12 @@ host's clock (each trace's baseTimeNanoseconds). A call that starts d before its
 up to d (at most its duration) waiting for the peer, which the profile counts as kernel time:
 "skew" below, per rank, and the rest ("own"). Waits on data in flight with both ranks on time
 stay in "own".
+
+    python benchmarks/trace_kernels.py --gaps TRACE.json.gz [...] --steps 10
+
+--gaps: where the GPU had nothing running (no kernel, copy or memset on any stream: idle, or a
+stream waiting on a peer's signal), per step, and which activity each gap ended with; best on
+`demo --profile-gpu --trace` traces, whose steps stay GPU-bound.
 """
 
 from __future__ import annotations
@@ -66,6 +72,27 @@ def skew(path0: str, path1: str, match: list[str]) -> dict[str, dict[str, list[f
             waits[1] += min(max(t0 - t1, 0.0), d1)
         out[name] = {"calls": [len(a), len(b)], "us": [sum(d for _, d in ks) for ks in (a, b)], "skew": waits}
     return out
+
+
+def gaps(path: str, min_us: float = 5.0) -> dict:
+    """The GPU's idle gaps (at least min_us) in one trace, on its busiest device: {"span": first
+    start to last end, "busy": union of its activities, "gaps": [(us, name of the activity that
+    ended the gap, its stream)]} (us)."""
+    events, _ = load_trace(path)
+    acts = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"]
+    if not acts:
+        return {"span": 0.0, "busy": 0.0, "gaps": []}
+    device = collections.Counter(e.get("pid") for e in acts).most_common(1)[0][0]
+    acts = sorted((e for e in acts if e.get("pid") == device), key=lambda e: e["ts"])
+    start = end = acts[0]["ts"]
+    busy, out = 0.0, []
+    for e in acts:  # in start order: a gap is where the next start lies past every end so far
+        lo, hi = e["ts"], e["ts"] + e.get("dur", 0.0)
+        if lo - end >= min_us:
+            out.append((lo - end, e["name"], e.get("tid")))
+        busy += max(hi, end) - max(lo, end)
+        end = max(end, hi)
+    return {"span": end - start, "busy": busy, "gaps": out}
 
 
 def _short(name: str, n: int = 90) -> str:
@@ -117,8 +144,24 @@ def main() -> None:
     p.add_argument("--who", nargs="*", default=["copy", "elementwise", "Memcpy", "cat"])
     p.add_argument("--skew", action="store_true", help="two ranks' traces of one run: waits for the later rank")
     p.add_argument("--match", nargs="*", default=["_rs_mm_kernel", "_ag_mm_kernel", "nccl"])
+    p.add_argument("--gaps", action="store_true", help="the GPU's idle gaps a step, by the activity that ended them")
     args = p.parse_args()
     ms = lambda us: us / args.steps / 1000.0  # noqa: E731
+    if args.gaps:
+        for t in args.traces:
+            g = gaps(t)
+            idle = sum(us for us, _, _ in g["gaps"])
+            print(f"== {os.path.basename(t)}: ms a step: span {ms(g['span']):.2f}, busy {ms(g['busy']):.2f}, "
+                  f"idle {ms(idle):.2f} in {len(g['gaps']) / args.steps:.0f} gaps (>= 5 us), "
+                  f"{sum(us >= 1000 for us, _, _ in g['gaps']) / args.steps:.1f} of them >= 1 ms")
+            by_next: dict = collections.defaultdict(lambda: [0.0, 0, 0.0])
+            for us, name, stream in g["gaps"]:
+                row = by_next[(_short(name, 80), stream)]
+                row[0], row[1], row[2] = row[0] + us, row[1] + 1, max(row[2], us)
+            print("   idle ms a step, gaps a step, largest gap us: the activity that ended them (its stream)")
+            for (name, stream), (us, n, big) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[: args.top]:
+                print(f"   {ms(us):7.2f} {n / args.steps:6.1f} {big:9.0f}  {name} (stream {stream})")
+        return
     if args.skew:
         if len(args.traces) != 2:
             p.error(f"--skew requires two traces (rank 0's and rank 1's), got {len(args.traces)}")

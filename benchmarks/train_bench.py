@@ -45,6 +45,8 @@ def _demo_args(flags: list[str], args: argparse.Namespace, batch: int, out: Path
         argv.append("--cpu")
     if args.profile:
         argv.append("--profile")
+    if args.profile_gpu:
+        argv.append("--profile-gpu")
     if args.interleave:
         argv.append("--interleave")
     if args.cpu or torch.cuda.device_count() < 2:  # torch's async TP needs GPUs
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="profile 5 extra steps per run (GPU): exposed communication, top kernels, collectives")
+    parser.add_argument("--profile-gpu", action="store_true",
+                        help="profile 10 extra steps per run, the GPU's activity only (demo --profile-gpu): the GPU's "
+                             "busy time against the wall in a step that stays GPU-bound")
     parser.add_argument("--interleave", action="store_true",
                         help="each configuration's variants step by step in turn (demo --interleave): drift over a "
                              "run touches them alike; no per-variant peak memory")

@@ -50,8 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a run: vanilla TP with one initial weight changed by one ulp (how far rounding alone moves a loss curve)")
     parser.add_argument("--profile", action="store_true",
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
+    parser.add_argument("--profile-gpu", action="store_true",
+                        help="as --profile, over 10 steps, recording the GPU's activity only: recording the host's ops "
+                             "makes a GPU-bound step host-bound; the GPU's busy time a step is reported beside the wall")
     parser.add_argument("--trace", action="store_true",
-                        help="with --profile: every rank writes each run's profiler trace (Chrome trace, gzipped) to --out")
+                        help="with --profile or --profile-gpu: every rank writes each run's profiler trace (Chrome "
+                             "trace, gzipped) to --out")
     parser.add_argument("--host-profile", action="store_true",
                         help="queue 3 extra steps of each run under cProfile: where the host time goes (in the JSON)")
     parser.add_argument("--regather-input", action="store_true",
@@ -88,12 +92,12 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
         world, backend, device_type = _CPU_WORLD, "gloo", "cpu"
         if num_gpus == 1:
             print("asynctp demo: one GPU is not tensor parallelism; running on 2 CPU processes (gloo)")
-        if args.profile or args.torch_async_tp:
-            flag = "--profile" if args.profile else "--torch-async-tp"
+        if args.profile or args.profile_gpu or args.torch_async_tp:
+            flag = "--profile" if args.profile else "--profile-gpu" if args.profile_gpu else "--torch-async-tp"
             print(f"asynctp demo: {flag} requires >= 2 GPUs, got {num_gpus}", file=sys.stderr)
             return 2
-    if args.trace and not args.profile:
-        print("asynctp demo: --trace requires --profile", file=sys.stderr)
+    if args.trace and not (args.profile or args.profile_gpu):
+        print("asynctp demo: --trace requires --profile or --profile-gpu", file=sys.stderr)
         return 2
     model_name = args.model or ("8b-block" if on_gpu else "tiny")
     from asynctp.demo.model import SIZES
@@ -118,8 +122,9 @@ def run(args: argparse.Namespace, collect: list | None = None) -> int:
         seed=args.seed,
         float8=None if args.float8 == "none" else args.float8,
         compile=args.compile,
-        profile_steps=5 if args.profile else 0,
+        profile_steps=10 if args.profile_gpu else 5 if args.profile else 0,
         trace_dir=str(args.out) if args.trace else None,
+        profile_host_ops=not args.profile_gpu,
         host_profile_steps=3 if getattr(args, "host_profile", False) else 0,
         save_gathered_input=not args.regather_input,
         share_gathers=not args.no_shared_gather,

@@ -38,6 +38,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     if any(r.get("profile") for r in runs):
         rows.append(("exposed comm", lambda r: f"{r['profile']['exposed_comm_ms']:.1f} ms/step" if r.get("profile") else "-"))
         rows.append(("comm (total)", lambda r: f"{r['profile']['comm_ms']:.1f} ms/step" if r.get("profile") else "-"))
+        # the rest of the profiled wall the GPU idled or sat in stream waits (on a peer's signal)
+        rows.append(("GPU busy / wall", lambda r: f"{r['profile']['busy_ms']:.1f} / {r['profile']['wall_ms']:.1f} ms"
+                     if (r.get("profile") or {}).get("busy_ms") is not None else "-"))
     header = [""] + [r["name"] for r in runs]
     body = [[label] + [fmt(r) for r in runs] for label, fmt in rows]
     widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]

@@ -69,6 +69,7 @@ class TrainSettings:
     warmup: int = 3  # steps left out of the timings (allocation, autotuning, compilation)
     profile_steps: int = 0  # extra steps run under torch.profiler (0: no profile)
     trace_dir: str | None = None  # where each rank writes each run's profiler trace (profile_steps > 0)
+    profile_host_ops: bool = True  # False: the profile records the GPU's activity only (demo --profile-gpu)
     host_profile_steps: int = 0  # extra steps queued under cProfile (0: none): where the host time goes
     # async column-parallel layers keep the gathered input for wgrad (vanilla TP's memory use);
     # False re-gathers it in backward (less memory, one more overlapped gather); fp8 re-gathers
@@ -282,7 +283,7 @@ class _Run:
 
             trace = trace_path(settings.trace_dir, self.result.name)
             step = lambda: _step(model, opt, data.batch(cfg.batch_size, cfg.seq_len).to(device))  # noqa: E731
-            self.result.profile = profile_steps(step, settings.profile_steps, trace)
+            self.result.profile = profile_steps(step, settings.profile_steps, trace, settings.profile_host_ops)
         if settings.host_profile_steps:
             from asynctp.demo.profile import host_profile
 

@@ -29,6 +29,8 @@ def test_demo_cpu_path_writes_json(tmp_path, capsys):
 def test_demo_refuses_gpu_only_flags_on_cpu(capsys):
     assert main(["demo", "--cpu", "--profile"]) == 2
     assert "--profile requires >= 2 GPUs" in capsys.readouterr().err
+    assert main(["demo", "--cpu", "--profile-gpu", "--trace"]) == 2
+    assert "--profile-gpu requires >= 2 GPUs" in capsys.readouterr().err
 
 
 def test_demo_extra_runs_serial_baseline_control_and_asynctp_pass(tmp_path, capsys):

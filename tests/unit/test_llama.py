@@ -140,6 +140,9 @@ def test_table_and_comparison():
     fast = dict(run, name="asynctp", step_time_s=0.17, losses=[3.0, 2.00001], profile=None)
     text = table([run, fast])
     assert "vanilla TP" in text and "asynctp" in text and "200.0 ms" in text and "40.0 ms/step" in text
+    assert "GPU busy / wall" in text and "-" in text.split("GPU busy / wall")[1]  # a record without busy_ms
+    busy = dict(run, profile={"exposed_comm_ms": 4.0, "comm_ms": 6.0, "busy_ms": 54.0, "wall_ms": 69.1})
+    assert "54.0 / 69.1 ms" in table([busy, fast]).split("GPU busy / wall")[1]
     c = comparison(run, fast)
     assert c["speedup"] == pytest.approx(0.2 / 0.17)
     assert c["recovered_fraction_of_exposed_comm"] == pytest.approx(30.0 / 40.0)
@@ -178,11 +181,14 @@ def test_profile_steps_runs_without_gpu_kernels():
 
     a = torch.randn(64, 64)
     out = profile_steps(lambda: a @ a, 2)
-    assert out["num_steps"] == 2 and out["wall_ms"] > 0
+    assert out["num_steps"] == 2 and out["wall_ms"] > 0 and out["host_ops"] is True
     if not torch.cuda.is_available():
-        assert out["comm_ms"] == out["exposed_comm_ms"] == 0.0
+        assert out["comm_ms"] == out["exposed_comm_ms"] == out["busy_ms"] == 0.0
         assert out["top_comm_kernels_ms"] == {}
     assert out["collectives_per_step"] == {}
+    # the GPU's activity only (no host ops recorded on a GPU; a CPU-only process keeps its host ops)
+    gpu_only = profile_steps(lambda: a @ a, 2, host_ops=False)
+    assert gpu_only["host_ops"] is False and gpu_only["num_steps"] == 2
 
 
 def test_profile_steps_writes_the_trace(tmp_path):

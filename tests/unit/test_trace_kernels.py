@@ -103,3 +103,28 @@ def test_host_profile_timeline_puts_both_ranks_on_one_clock(tmp_path):
     assert got == {(0, "_rs_mm_kernel"): (0.0, 800.0, 4), (1, "_rs_mm_kernel"): (10.0, 800.0, 4),
                    (0, "Memcpy"): (300.0, 90.0, 4), (1, "Memcpy"): (310.0, 90.0, 4)}
     assert "after the calls, rank 0: 6 x 650.0 us  nvjet_gemm" in text
+
+
+def test_gaps_name_the_activity_that_ended_each(tmp_path, capsys, monkeypatch):
+    """The GPU's idle gaps on the busiest device (overlapping activities on two streams merged), each
+    named by the activity that ended it; a gap under 5 us is busy-adjacent noise, not listed."""
+    path = tmp_path / "trace_x_rank0.json.gz"
+    acts = [("kernel", "gemm", 7, 0, 100), ("kernel", "rs_kernel", 9, 50, 100),  # overlap: busy 0..150
+            ("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 8, 152, 48),  # a 2 us gap: not listed
+            ("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 8, 1250, 50),  # 1050 us idle before
+            ("kernel", "gemm", 7, 1400, 100)]  # 100 us idle before
+    events = [{"ph": "X", "cat": c, "name": n, "pid": 0, "tid": s, "ts": ts, "dur": d} for c, n, s, ts, d in acts]
+    events.append({"ph": "X", "cat": "kernel", "name": "other_device", "pid": 1, "tid": 3, "ts": 5000, "dur": 10})
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    mod = _module()
+    g = mod.gaps(str(path))
+    assert g["span"] == 1500 and g["busy"] == 150 + 48 + 50 + 100
+    assert g["gaps"] == [(1050, "Memcpy PtoP (Device -> Device)", 8), (100, "gemm", 7)]
+    monkeypatch.setattr("sys.argv", ["trace_kernels.py", "--gaps", str(path), "--steps", "1"])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "span 1.50, busy 0.35, idle 1.15 in 2 gaps (>= 5 us), 1.0 of them >= 1 ms" in out
+    lines = out.splitlines()
+    assert lines[2].split()[:3] == ["1.05", "1.0", "1050"] and "Memcpy PtoP" in lines[2] and "(stream 8)" in lines[2]
+    assert lines[3].split()[:3] == ["0.10", "1.0", "100"] and "gemm (stream 7)" in lines[3]
