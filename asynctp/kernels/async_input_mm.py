@@ -36,10 +36,18 @@ from dataclasses import dataclass
 
 import torch
 
+from asynctp.config import get_config
 from asynctp.kernels.configs import Config, gluon_takes, pick_config, split_parts, whole_tile
 from asynctp.kernels.triton_util import sm_count, triton_available
 
-__all__ = ["async_input_mm", "ChunkMap", "chunk_order"]
+__all__ = ["async_input_mm", "ChunkMap", "chunk_order", "programs"]
+
+
+def programs(device: torch.device) -> int:
+    """The persistent GEMMs' programs on `device`: one per SM, less ASYNCTP_SM_CARVEOUT (unset: 0
+    for the single-launch GEMMs), at least one. SMs left free let kernels of other streams (NCCL's,
+    the caller's) start beside a GEMM whose programs otherwise hold every SM until it ends."""
+    return max(1, sm_count(device) - (get_config().sm_carveout or 0))
 
 
 @dataclass(frozen=True)
@@ -207,7 +215,7 @@ def launch(
     nn_ = b.shape[1]
     cfg = config or pick_config(a.dtype, m_total, nn_, k, chunk_rows)
     b, b_trans = kern.b_operand(b)  # nn.Linear's weight.t() read as [N, K] row-major
-    num_sms = sm_count(a.device)
+    num_sms = programs(a.device)
     args = (a, b, b_trans, out, signals, n, sig_src, sig_blk, chunk_rows, pivot, cmap, counters, a_scale, b_scale, bias)
     if gluon is not False and _gluon_serves(a, b, out, a_scale is not None or b_scale is not None, chunk_rows, cfg,
                                             num_sms):

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from asynctp.kernels.async_input_mm import programs
 from asynctp.kernels.configs import Config, gluon_takes, pick_config, whole_tile
-from asynctp.kernels.triton_util import sm_count
 
 __all__ = ["schedule", "producer_mm_reference", "launch_producer"]
 
@@ -108,7 +108,7 @@ def launch_producer(
                      out.element_size())
     items = kern._items(tuple(x for item in schedule(rank, world_size, blocks) for x in item), a.device)
     args = (a, b, partials, received, out, items, rank, world_size, blocks, a_strides, signals, sig_strides, counters,
-            reduce_op, a_scale, b_scale, bias, cfg, sm_count(a.device))
+            reduce_op, a_scale, b_scale, bias, cfg, programs(a.device))
     if gluon is not False and _gluon_serves(a, b, out, a_scale is not None or b_scale is not None, cfg):
         from asynctp.kernels import _rs_gluon
         from asynctp.kernels._ag_kernel import try_gluon

@@ -8,7 +8,9 @@ to target `SMs - n` SMs (torch's experimental SM carve-out, honoured by the cuBL
 is selected for the duration), so those kernels start at once on the SMs left free.
 
 `ASYNCTP_SM_CARVEOUT=n` overrides the default of each strategy (0 turns it off). The previous
-carve-out and BLAS backend are restored when the call returns.
+carve-out and BLAS backend are restored when the call returns. The fused strategy's single-launch
+GEMMs are persistent too: they run one program per SM less n (`kernels.async_input_mm.programs`;
+unset: every SM).
 """
 
 from __future__ import annotations

@@ -38,3 +38,22 @@ def test_cuda_sets_and_restores(monkeypatch):
             assert torch._C._get_blas_preferred_backend() == torch._C._BlasBackend.Cublaslt
             raise RuntimeError("inside")
     assert (torch._C._get_sm_carveout_experimental(), torch._C._get_blas_preferred_backend()) == before
+
+
+def test_single_launch_gemms_leave_the_carved_out_sms(monkeypatch):
+    """The persistent GEMMs of the fused strategy run one program per SM, less the setting (unset:
+    none left free), never fewer than one; the reduce-scatter's producer takes the same count."""
+    import sys
+
+    from asynctp.kernels import producer_mm
+
+    aim = sys.modules["asynctp.kernels.async_input_mm"]  # (the package's async_input_mm is the function)
+    monkeypatch.setattr(aim, "sm_count", lambda device: 132)
+    device = torch.device("cuda", 0)
+    with config.override(sm_carveout=None):
+        assert aim.programs(device) == 132
+    with config.override(sm_carveout=8):
+        assert aim.programs(device) == 124
+    with config.override(sm_carveout=500):
+        assert aim.programs(device) == 1
+    assert producer_mm.programs is aim.programs
