@@ -55,9 +55,9 @@ class Config:
         "ASYNCTP_DISABLE_SYMM", "Never use symmetric memory: ops overlap over a send/recv ring or run serially.",
         default=False)
     sm_carveout: int | None = _setting(
-        "ASYNCTP_SM_CARVEOUT", "SMs left free for other streams' kernels (NCCL's, the caller's) while a call's matmuls "
-        "run: a pipelined call's cuBLAS GEMMs, the single-launch GEMMs' programs (unset: per strategy, 16 for the ring, "
-        "0 otherwise).", default=None)
+        "ASYNCTP_SM_CARVEOUT", "SMs left free for other streams' kernels (NCCL's, the caller's) while a call's "
+        "matmuls run: a pipelined call's cuBLAS GEMMs, the single-launch GEMMs' programs (unset: per strategy, 16 "
+        "for the ring, 0 otherwise).", default=None)
     tuning_cache: str | None = _setting(
         "ASYNCTP_TUNING_CACHE", "Path of the measured tuning table that strategy='auto' reads "
         "(unset: $XDG_CACHE_HOME/asynctp/tuning.json).", default=None)

@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile a few extra steps of each run: TP communication left exposed (GPU only)")
     parser.add_argument("--profile-gpu", action="store_true",
-                        help="as --profile, over 10 steps, recording the GPU's activity only: recording the host's ops "
-                             "makes a GPU-bound step host-bound; the GPU's busy time a step is reported beside the wall")
+                        help="as --profile, over 10 steps, recording the GPU's activity only: recording the host's "
+                             "ops makes a GPU-bound step host-bound; the GPU's busy time a step is reported beside the "
+                             "wall")
     parser.add_argument("--trace", action="store_true",
                         help="with --profile or --profile-gpu: every rank writes each run's profiler trace (Chrome "
                              "trace, gzipped) to --out")

@@ -38,7 +38,9 @@ def profile_steps(step: Callable[[], Any], num_steps: int, trace_path: str | Non
 
     on_gpu = torch.cuda.is_available()
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    activities = ([ProfilerActivity.CPU] if host_ops or not on_gpu else []) + ([ProfilerActivity.CUDA] if on_gpu else [])
+    activities = [ProfilerActivity.CUDA] if on_gpu else []
+    if host_ops or not on_gpu:
+        activities.insert(0, ProfilerActivity.CPU)
     sync()
     with profile(activities=activities, record_shapes=host_ops) as prof:
         start = time.perf_counter()
