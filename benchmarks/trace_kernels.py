@@ -74,7 +74,10 @@ def skew(path0: str, path1: str, match: list[str]) -> dict[str, dict[str, list[f
     return out
 
 
-def gaps(path: str, min_us: float = 5.0) -> dict:
+GAP_US = 5.0  # --gaps: shorter idle stretches are launch jitter between back-to-back activities
+
+
+def gaps(path: str, min_us: float = GAP_US) -> dict:
     """The GPU's idle gaps (at least min_us) in one trace, on its busiest device: {"span": first
     start to last end, "busy": union of its activities, "gaps": [(us, name of the activity that
     ended the gap, its stream)]} (us)."""
@@ -152,7 +155,7 @@ def main() -> None:
             g = gaps(t)
             idle = sum(us for us, _, _ in g["gaps"])
             print(f"== {os.path.basename(t)}: ms a step: span {ms(g['span']):.2f}, busy {ms(g['busy']):.2f}, "
-                  f"idle {ms(idle):.2f} in {len(g['gaps']) / args.steps:.0f} gaps (>= 5 us), "
+                  f"idle {ms(idle):.2f} in {len(g['gaps']) / args.steps:.0f} gaps (>= {GAP_US:.0f} us), "
                   f"{sum(us >= 1000 for us, _, _ in g['gaps']) / args.steps:.1f} of them >= 1 ms")
             by_next: dict = collections.defaultdict(lambda: [0.0, 0, 0.0])
             for us, name, stream in g["gaps"]:
