@@ -36,19 +36,19 @@ from dataclasses import dataclass
 
 import torch
 
+from asynctp.config import get_config
 from asynctp.kernels.configs import Config, gluon_takes, pick_config, split_parts, whole_tile
 from asynctp.kernels.triton_util import sm_count, triton_available
-from asynctp.runtime.carveout import carveout_for
 
 __all__ = ["async_input_mm", "ChunkMap", "chunk_order", "programs"]
 
 
 def programs(device: torch.device) -> int:
-    """The persistent GEMMs' programs on `device`: one per SM, less the fused strategy's SM carve-out
-    (runtime/carveout.py: ASYNCTP_SM_CARVEOUT, unset 0), at least one. SMs left free let kernels of
-    other streams (NCCL's, the caller's) start beside a GEMM whose programs otherwise hold every SM
-    until it ends."""
-    return max(1, sm_count(device) - carveout_for("fused"))
+    """The persistent GEMMs' programs on `device`: one per SM, less ASYNCTP_SM_CARVEOUT (unset: none
+    for the fused strategy, as runtime/carveout.py's defaults, which kernels/ may not import), at
+    least one. SMs left free let kernels of other streams (NCCL's, the caller's) start beside a GEMM
+    whose programs otherwise hold every SM until it ends."""
+    return max(1, sm_count(device) - (get_config().sm_carveout or 0))
 
 
 @dataclass(frozen=True)
