@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-__all__ = ["sm_count", "triton_available", "RawPointer", "FastLaunch"]
+__all__ = ["sm_count", "triton_available", "RawPointer", "FastLaunch", "descriptor", "memo_key"]
 
 
 @functools.cache
@@ -48,7 +48,16 @@ class FastLaunch:
     launcher directly. The key is everything Triton specializes on, taken from the arguments:
     tensors (and RawPointer) by dtype and 16-byte alignment, tensor descriptors by dtype and block
     shape, every other argument by value. With a Triton launch hook set (a profiler's), every
-    launch goes through Triton."""
+    launch goes through Triton.
+
+    Where the compiled launcher is the one this module knows (_Direct: Triton 3.6's CUDA launcher,
+    no scratch memory), later launches also skip its Python wrapper: the C launcher is called with
+    the final arguments, each tensor descriptor encoded once per address, shape and strides; and a
+    launch given a `memo` (everything its arguments were made from: memo_key) is
+    kept as those final arguments, so that `again(memo)` repeats it without making them again
+    (its tensors as their addresses, which the launcher takes without asking the driver)."""
+
+    MAX_MEMO = 256  # launches kept per kernel; all are forgotten when more come (a loop's come back)
 
     def __init__(self, fn) -> None:
         from triton import knobs
@@ -56,32 +65,63 @@ class FastLaunch:
         self.fn, self._runtime = fn, knobs.runtime
         self.kernels: dict[tuple, object] = {}
         self.fast = True  # False once the compiled launcher refused its arguments (another Triton)
+        self.direct = True  # False: every later launch through the compiled kernel's own launcher
+        self.memo: dict[tuple, tuple] = {}
+
+    def _hooked(self) -> bool:
+        return _active(self._runtime.launch_enter_hook) or _active(self._runtime.launch_exit_hook)
+
+    def again(self, memo: tuple) -> bool:
+        """Repeat the launch kept under `memo` on the current stream; False where none is kept (or
+        a Triton launch hook is set: the launch must go through Triton)."""
+        kept = self.memo.get(memo)
+        if kept is None or self._hooked():
+            return False
+        launch, grid, rest = kept
+        launch(*grid, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), *rest)
+        return True
 
     @staticmethod
     def _spec(arg):
+        kind = type(arg)
+        if kind is int or kind is bool or arg is None:
+            return arg
         if isinstance(arg, (torch.Tensor, RawPointer)):
             return arg.dtype, arg.data_ptr() % 16 == 0
         base = getattr(arg, "base", None)
-        if base is not None:  # a TensorDescriptor
-            return base.dtype, tuple(arg.block_shape)
+        if base is not None:  # a TensorDescriptor (made by descriptor(): its checks' outcome is part of the key)
+            return base.dtype, tuple(arg.block_shape), _descriptor_ok(arg)
         return arg
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, **options) -> None:
-        """Launch on the current stream; args: every parameter in order, constexprs included."""
+    def __call__(self, grid: tuple[int, ...], args: tuple, memo: tuple | None = None, **options) -> None:
+        """Launch on the current stream; args: every parameter in order, constexprs included;
+        memo: the key under which again() repeats this launch (None: not kept)."""
         key = (tuple(map(self._spec, args)), tuple(options.items()))
         kernel = self.kernels.get(key)
-        hooked = _active(self._runtime.launch_enter_hook) or _active(self._runtime.launch_exit_hook)
+        hooked = self._hooked()
         if kernel is None or hooked or not self.fast:
+            for arg in args:  # descriptor() leaves the descriptors' checks to the launches through Triton
+                if getattr(arg, "base", None) is not None and hasattr(arg, "__post_init__"):
+                    arg.__post_init__()
             kernel = self.fn[grid](*args, **options)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if not hooked:
-                self.kernels[key] = kernel
+                self.kernels[key] = _Direct.of(kernel) if self.direct else kernel
             return
         stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         try:
-            kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                       kernel.function, kernel.packed_metadata, None, None, None, *args)
+            if type(kernel) is _Direct:
+                final = kernel.final(grid, stream, args)
+                kernel.launch(*final)
+                if memo is not None:
+                    if len(self.memo) >= self.MAX_MEMO:
+                        self.memo.clear()
+                    self.memo[memo] = (kernel.launch, tuple(final[:3]), tuple(
+                        a.data_ptr() if isinstance(a, (torch.Tensor, RawPointer)) else a for a in final[4:]))
+            else:
+                kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                           kernel.function, kernel.packed_metadata, None, None, None, *args)
         except TypeError as exc:  # the launcher parses its arguments before it launches anything
             from asynctp.config import warn_once
 
@@ -91,6 +131,105 @@ class FastLaunch:
             self.fn[grid](*args, **options)
 
 
+def memo_key(*args) -> tuple:
+    """A FastLaunch memo key of a launch function's arguments: each tensor by what a launch reads
+    of it (address, dtype, shape, strides), a RawPointer by address and dtype, the rest as they
+    are (hashable: ints, bools, strings, tuples, frozen configs)."""
+    return tuple(_memo_part(x) for x in args)
+
+
+def _memo_part(x):
+    if isinstance(x, torch.Tensor):
+        return x.data_ptr(), x.dtype, x.shape, x.stride()
+    if type(x) is RawPointer:
+        return x.address, x.dtype
+    return x
+
+
+def descriptor(cls, base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int], **fields):
+    """cls(base, shape, strides, block_shape, **fields), a Triton or Gluon TensorDescriptor, without
+    its checks (about 2 us of host each; a launch takes up to six): FastLaunch runs them where a
+    launch goes through Triton, and its key holds whether they pass (_descriptor_ok), so a
+    descriptor that would fail them always goes through Triton and raises there. Made as usual
+    where cls has fields other than those (another Triton)."""
+    if _plain_fields(cls) != {"base", "shape", "strides", "block_shape", "padding", *fields}:
+        return cls(base, shape, strides, block_shape, **fields)
+    desc = object.__new__(cls)
+    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, padding="zero", **fields)
+    return desc
+
+
+@functools.cache
+def _plain_fields(cls) -> frozenset:
+    import dataclasses
+
+    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
+
+
+def _descriptor_ok(desc) -> bool:
+    """What the TensorDescriptors' checks ask of the tensor: a 16-byte aligned base and row strides,
+    the last dimension contiguous, no empty dimension."""
+    size, strides = desc.base.element_size(), desc.strides
+    return (desc.base.data_ptr() % 16 == 0 and strides[-1] == 1 and all(s * size % 16 == 0 for s in strides[:-1])
+            and min(desc.shape) > 0)
+
+
 def _active(hook) -> bool:
     """Whether a Triton launch hook is set (None, or since Triton 3.5 an empty HookChain: not)."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Direct:
+    """A compiled kernel launched by its C launcher (`launch`) without the Python wrapper around
+    it (triton.backends.nvidia.driver: CudaLauncher.__call__ and wrap_handle_tensordesc, which
+    encodes every tensor descriptor argument at every launch). The same final arguments: the
+    base ones, then each kernel argument, a descriptor expanded by Triton's own
+    make_tensordesc_arg, kept per (position, address, shape, strides, padding): the encoded
+    descriptor holds no tensor and equal keys encode equal descriptors. `of(kernel)` returns the
+    kernel itself where its launcher is not of that form (scratch memory, another Triton)."""
+
+    MAX_ENCODED = 1024  # descriptors kept per kernel; all are forgotten when more come
+
+    __slots__ = ("launch", "head", "descs", "expand", "encoded")
+
+    @classmethod
+    def of(cls, kernel):
+        try:
+            from triton.backends.nvidia import driver
+
+            run = kernel.run
+            wrapper = run.launch
+            if (run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1
+                    or driver._BASE_ARGS_FORMAT_LEN != 13):
+                return kernel
+            closure = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__ or ())))
+            launch, indices = closure["launcher"], closure["tensordesc_indices"]
+            meta = list(closure["tensordesc_meta"])
+            if not callable(launch) or None in meta or len(meta) != len(indices):
+                return kernel
+        except (AttributeError, KeyError, TypeError, ImportError):  # no wrapper (no descriptors) or another layout
+            return kernel
+        self = cls()
+        self.launch, self.expand, self.encoded = launch, driver.make_tensordesc_arg, {}
+        self.head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                     None, None, None)
+        self.descs = {i: m for i, m in zip(sorted(indices), meta)}
+        return self
+
+    def final(self, grid: tuple[int, ...], stream: int, args: tuple) -> list:
+        """The C launcher's arguments of a launch."""
+        final = [grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, *self.head]
+        descs, encoded = self.descs, self.encoded
+        for i, arg in enumerate(args):
+            meta = descs.get(i)
+            if meta is None:
+                final.append(arg)
+                continue
+            key = (i, arg.base.data_ptr(), *arg.shape, *arg.strides, arg.padding)
+            parts = encoded.get(key)
+            if parts is None:
+                if len(encoded) >= self.MAX_ENCODED:
+                    encoded.clear()
+                parts = encoded[key] = self.expand(arg, meta)
+            final.extend(parts)
+        return final

@@ -297,14 +297,28 @@ def test_gluon_ring_and_epilogue_buffer_fit_shared_memory(stages, block_k, items
     assert not gluon_fits(Config(128, 256, block_k, stages=5), itemsize, half_out=True)
 
 
+def _fast_launch(monkeypatch, kernel) -> tuple:
+    """A FastLaunch over a stand-in @triton.jit function whose launches through Triton are
+    recorded and return `kernel` (the compiled kernel), on a stand-in current stream 7."""
+    from asynctp.kernels.triton_util import FastLaunch
+
+    through_triton = []
+
+    class Fn:
+        def __getitem__(self, grid):
+            return lambda *args, **options: through_triton.append(args) or kernel
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return FastLaunch(Fn()), through_triton
+
+
 def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
     """FastLaunch: a key's first launch goes through Triton, later ones through the compiled
     kernel's launcher; another alignment or value is another key; a launch hook, or a launcher
     that refuses its arguments, sends launches through Triton."""
     pytest.importorskip("triton")
-    from asynctp.kernels.triton_util import FastLaunch
-
-    through_triton, direct = [], []
+    direct = []
 
     class Kernel:
         function = packed_metadata = None
@@ -315,13 +329,7 @@ def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
                 raise TypeError("bad arguments")
             direct.append(args)
 
-    class Fn:
-        def __getitem__(self, grid):
-            return lambda *args, **options: through_triton.append(args) or Kernel()
-
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    launch = FastLaunch(Fn())
+    launch, through_triton = _fast_launch(monkeypatch, Kernel())
     store = torch.zeros(9, dtype=torch.int16)
     launch((4,), (store[:8], 3, True), num_warps=4)
     launch((4,), (store[:8], 3, True), num_warps=4)
@@ -349,6 +357,61 @@ def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
     with pytest.warns(RuntimeWarning, match="refused a direct launch"):
         launch((4,), (store[:8], 3, True), num_warps=4)
     assert not launch.fast and len(through_triton) == 5
+
+
+def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
+    """Where the compiled launcher is Triton's CUDA one, later launches call its C function with the
+    arguments its wrapper would make, each descriptor encoded once per address; a launch with a
+    memo repeats from again(memo), tensors as addresses (not under a launch hook); descriptors
+    made without their checks get them on the way through Triton, and one that fails them is its
+    own key, so it raises there."""
+    pytest.importorskip("triton")
+    from triton.backends.nvidia import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not hasattr(driver, "wrap_handle_tensordesc"):
+        pytest.skip("this Triton's launcher is not the one the direct launches know")
+
+    from asynctp.kernels.triton_util import descriptor, memo_key
+
+    calls, encoded = [], []
+    monkeypatch.setattr(driver, "make_tensordesc_arg", lambda d, meta: encoded.append(d) or [("map", d.base.data_ptr()),
+                                                                                              *d.shape, *d.strides])
+
+    class Run:  # Triton's CudaLauncher: its launch wraps the C function (wrap_handle_tensordesc)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        def __init__(self):
+            signature = {0: "tensordesc<bf16[8, 8]>", 1: "*i32", 2: "i32"}
+            self.launch = driver.wrap_handle_tensordesc(lambda *final: calls.append(final), signature, [{"swizzle": 0}])
+
+    class Kernel:
+        function, packed_metadata, run = 11, ("meta",), Run()
+
+    launch, through_triton = _fast_launch(monkeypatch, Kernel())
+    base, flags = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32)
+    desc = lambda t: descriptor(TensorDescriptor, t, list(t.shape), [8, 1], [8, 8])  # noqa: E731
+    memo = memo_key(base, flags, 3)
+    for _ in range(3):
+        launch((2,), (desc(base), flags, 3), memo, num_warps=4)
+    assert len(through_triton) == 1 and len(calls) == 2 and len(encoded) == 1
+    head = (2, 1, 1, 7, 11, False, False, None, None, ("meta",), None, None, None)
+    assert calls[0][:13] == head and calls[0][13:15] == (("map", base.data_ptr()), 16) and calls[0][-2:] == (flags, 3)
+    assert launch.again(memo) and calls[-1][:13] == head and calls[-1][-2:] == (flags.data_ptr(), 3)
+    assert not launch.again(memo_key(base, flags, 4)) and len(calls) == 3
+    runtime = launch._runtime
+    if hasattr(runtime.launch_enter_hook, "add"):
+        hook = lambda *a, **k: None  # noqa: E731
+        runtime.launch_enter_hook.add(hook)
+        try:
+            assert not launch.again(memo)
+        finally:
+            runtime.launch_enter_hook.remove(hook)
+    off = torch.zeros(16 * 8 + 1, dtype=torch.bfloat16)[1:].view(16, 8)  # 2 bytes off 16-byte alignment
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        launch((2,), (desc(off), flags, 3), num_warps=4)
+    assert len(through_triton) == 1 and len(calls) == 3
 
 
 def test_kernel_path_declines_a_cpu_workspace_without_cuda_queries():
