@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from asynctp.kernels.triton_util import FastLaunch
+
 __all__ = ["quantize_rows", "quantize_given_amax", "dequantize"]
 
 
@@ -133,11 +135,10 @@ def quantize_rows(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, eps: fl
     block_c = min(triton.next_power_of_2(C), 4096)
     block_r = max(1, min(16, 8192 // block_c))
     grid = (triton.cdiv(R, block_r),)
-    _rows_kernel[grid](
+    _rows_launch(grid, (
         x, y, scale, R, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1), scale.stride(0),
-        eps, _inv_max(y.dtype), _fp8_max(y.dtype), POW2=pow2, BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=block_c >= C,
-        num_warps=8 if block_r * block_c >= 8192 else 4,
-    )
+        eps, _inv_max(y.dtype), _fp8_max(y.dtype), pow2, block_r, block_c, block_c >= C,  # POW2, BLOCK_R, _C, ONE_CHUNK
+    ), num_warps=8 if block_r * block_c >= 8192 else 4)
 
 
 def quantize_given_amax(
@@ -149,12 +150,11 @@ def quantize_given_amax(
     if R == 0 or C == 0:
         return
     grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
-    _tile_kernel[grid](
+    _tile_launch(grid, (
         x, amax, y, scale, R, C, x.stride(0), x.stride(1), amax.stride(0), amax.stride(1),
         y.stride(0), y.stride(1), scale.stride(0), scale.stride(1), eps, _inv_max(y.dtype), _fp8_max(y.dtype),
-        POW2=pow2, SCALE_BCAST_R=scale.stride(0) == 0, SCALE_BCAST_C=scale.stride(1) == 0,
-        BLOCK_R=64, BLOCK_C=64, num_warps=4,
-    )
+        pow2, scale.stride(0) == 0, scale.stride(1) == 0, 64, 64,  # POW2, SCALE_BCAST_R, _C, BLOCK_R, _C
+    ), num_warps=4)
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
@@ -163,7 +163,13 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
     if R == 0 or C == 0:
         return
     grid = (triton.cdiv(R, 32), triton.cdiv(C, 128))
-    _dequant_kernel[grid](
+    _dequant_launch(grid, (
         x, scale, y, R, C, x.stride(0), x.stride(1), scale.stride(0), scale.stride(1), y.stride(0), y.stride(1),
-        BLOCK_R=32, BLOCK_C=128, num_warps=4,
-    )
+        32, 128,  # BLOCK_R, BLOCK_C
+    ), num_warps=4)
+
+
+# launched without Triton's per-call binding after each key's first launch (quantization runs
+# several times per layer and step: host time)
+_rows_launch, _tile_launch, _dequant_launch = (FastLaunch(_rows_kernel), FastLaunch(_tile_kernel),
+                                              FastLaunch(_dequant_kernel))

@@ -107,6 +107,8 @@ class FastLaunch:
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if not hooked:
+                if len(self.kernels) >= self.MAX_MEMO * 4:  # keys of shapes that do not come back
+                    self.kernels.clear()
                 self.kernels[key] = _Direct.of(kernel) if self.direct else kernel
             return
         stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
