@@ -245,19 +245,30 @@ class CudaWorkspace(Workspace):
         tensor: own signal flags, or a kernel's counters) equals `value`: a timeout names the op,
         the rank and `what`, then writes `value` into each word and aborts the context. For waits
         this workspace does not enqueue itself (a kernel's spins, wait_value)."""
-        self._watch(what, None, self._timeout(None))
+        with self.batched():  # (a beacon's two writes)
+            self._watch(what, None, self._timeout(None))
         base = flags.data_ptr()
         for i in range(flags.numel()):
             self._awaited_by(base + 4 * i, value)
 
     def wait_value(self, word: torch.Tensor, value: int, reset: bool) -> None:
         """The current stream waits until `word` (one 32-bit device word) equals `value`, a stream
-        memory operation (no SM); reset: then writes 0 into it. Watch it first (watch_device_wait)."""
+        memory operation (no SM); reset: then writes 0 into it. Watch it first (watch_device_wait;
+        both inside one batched() block: one batch of stream operations)."""
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        self._ops.wait(stream, word.data_ptr(), value)
-        if reset:
-            self._ops.write(stream, word.data_ptr(), 0)
-        self._leave()
+        with self._batched(stream):
+            self._ops.wait(stream, word.data_ptr(), value)
+            if reset:
+                self._ops.write(stream, word.data_ptr(), 0)
+            self._leave()
+
+    def batched(self) -> contextlib.AbstractContextManager:
+        """The stream memory operations this workspace enqueues on the current stream inside go to
+        the GPU as one batch (streamops.StreamOps.batched: nothing else may be enqueued there)."""
+        return self._batched(torch._C._cuda_getCurrentRawStream(self.device.index))
+
+    def _batched(self, stream: int) -> contextlib.AbstractContextManager:
+        return self._ops.batched(stream) if self._ops is not None else contextlib.nullcontext()
 
     def _awaited_by(self, address: int, value: int) -> None:
         """The wait being enqueued waits until the word at `address` equals `value`: what the
@@ -296,20 +307,21 @@ class CudaWorkspace(Workspace):
             what = lambda: f"barrier channel 0 with the signature 0x{value:08x} of {op} (call {seq}: {_fields(fields)})"  # noqa: E731
         else:
             what = f"barrier channel {channel}"
-        if not self._watch(what, None, seconds):
-            self._handle.barrier(channel=channel, timeout_ms=self._trap_ms(seconds))
-            return
-        # every rank sets its flag in every peer's pad, then waits for each peer's in its own
-        ops, (pads, _), rank = self._ops, self._flags, self.rank
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        mine = self._flag(0, channel, rank)
-        for peer in range(self.world_size):
-            if peer != rank:
-                ops.write(stream, pads[peer] + mine, value)
-        for peer in range(self.world_size):
-            if peer != rank:
-                self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer), value)
-        self._leave()
+        with self._batched(stream):  # (a beacon's writes, the flags' writes and waits: one batch)
+            if not self._watch(what, None, seconds):
+                self._handle.barrier(channel=channel, timeout_ms=self._trap_ms(seconds))
+                return
+            # every rank sets its flag in every peer's pad, then waits for each peer's in its own
+            ops, (pads, _), rank = self._ops, self._flags, self.rank
+            mine = self._flag(0, channel, rank)
+            for peer in range(self.world_size):
+                if peer != rank:
+                    ops.write(stream, pads[peer] + mine, value)
+            for peer in range(self.world_size):
+                if peer != rank:
+                    self._wait_reset(stream, pads[rank] + self._flag(0, channel, peer), value)
+            self._leave()
         if channel == 0 and not torch.cuda.is_current_stream_capturing():
             # the watchdog names this barrier, not a later wait, while the GPU has not passed it
             if self._gate_passed is None:
@@ -330,12 +342,13 @@ class CudaWorkspace(Workspace):
     def wait_signal(self, src_rank: int, channel: int = 0, timeout: float | None = None) -> None:
         self._check_channel(channel)
         seconds = self._timeout(timeout)
-        if not self._watch(f"signal channel {channel}", src_rank, seconds):
-            self._handle.wait_signal(src_rank, channel=channel, timeout_ms=self._trap_ms(seconds))
-            return
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))
-        self._leave()
+        with self._batched(stream):
+            if not self._watch(f"signal channel {channel}", src_rank, seconds):
+                self._handle.wait_signal(src_rank, channel=channel, timeout_ms=self._trap_ms(seconds))
+                return
+            self._wait_reset(stream, self._flags[0][self.rank] + self._flag(1, channel, src_rank))
+            self._leave()
 
 
 def _agreed_ops(flags: bool, ranks_have: list[bool], why: str | None) -> tuple[streamops.StreamOps | None, str | None]:

@@ -335,3 +335,30 @@ def test_fast_launches_respecialize_on_alignment():
         got = async_input_mm(a, b, _flags(4), 0, bias=bias)
         assert (got.double() - want).norm() / want.norm() < 1e-2
     assert compiled() - before == 2
+
+
+def test_batched_barriers_between_two_streams():
+    """Two streams stand in for two ranks: each enqueues 50 barriers as the workspace batches
+    them (set the other's flag, wait for its own, reset it: one cuStreamBatchMemOp; a flag pair
+    per barrier, as the ops' channels keep a reused flag from being set before its reset); the
+    second stream starts 5 ms late. Both pass every barrier and leave every flag reset (a batch
+    keeps its order and waits on the GPU). No kernel between the barriers: in one process, a
+    kernel launched behind a stream wait that only another stream of the process releases
+    blocked the host (single operations as well as batches), which ranks in processes of their
+    own never do."""
+    from asynctp.symm import streamops
+    from asynctp.symm.streamops import WAIT, WRITE
+
+    ops = streamops.load()
+    if ops is None or ops._batch is None:
+        pytest.skip("no batches of stream memory operations")
+    flags = torch.zeros(100, dtype=torch.int32, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    for r in (0, 1):
+        for i in range(50):
+            peer, own = flags.data_ptr() + 4 * (2 * i + 1 - r), flags.data_ptr() + 4 * (2 * i + r)
+            ops.batch(streams[r].cuda_stream, ((WRITE, peer, 1), (WAIT, own, 1), (WRITE, own, 0)))
+        time.sleep(0.005)
+    torch.cuda.synchronize()
+    assert not flags.any()

@@ -1,6 +1,9 @@
 """Stream memory operations (asynctp/symm/streamops.py) and the flag region in the signal pad
 (asynctp/symm/cuda.py), on fakes: the GPU behaviour is covered by tests/gpu."""
 
+import contextlib
+import ctypes
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -32,9 +35,62 @@ def test_the_v2_entry_points_are_used_with_an_equality_wait_and_a_fenced_write()
     assert calls == [("write_v2", 7, 4096, 1, 0), ("wait_v2", 7, 4100, 1, 1)]  # fenced write, EQ wait
 
 
+def test_a_batch_enqueues_its_operations_in_order_in_one_driver_call():
+    """batched(): this thread's operations on its stream go in one cuStreamBatchMemOp call, each
+    as the single calls would make it (EQ waits, fenced writes); another stream's, and another
+    thread's, go at once; the parameter array is made once per set of operations; a batch of
+    one is the single call."""
+    lib, calls = fake_lib()
+    batches = []
+
+    def batch(stream, count, array, flags):
+        params = ctypes.cast(array, ctypes.POINTER(streamops._Param * count)).contents
+        batches.append((stream, [(p.operation, p.address, p.value, p.flags) for p in params], flags, id(array)))
+        return 0
+
+    lib.cuStreamBatchMemOp_v2 = batch
+    ops = streamops.StreamOps(lib)
+    for _ in range(2):
+        with ops.batched(7):
+            ops.write(7, 4096, 5)
+            ops.write(9, 64, 1)  # another stream: at once
+            worker = threading.Thread(target=ops.write, args=(7, 128, 1))  # another thread: at once
+            worker.start()
+            worker.join()
+            with ops.batched(7):  # joins the outer block
+                ops.wait(7, 4100, 0xFFFFFFFF)
+            ops.write(7, 4100, 0)
+    want = [(streamops.WRITE, 4096, 5, 0), (streamops.WAIT, 4100, 0xFFFFFFFF, 1), (streamops.WRITE, 4100, 0, 0)]
+    assert [(b[0], b[1], b[2]) for b in batches] == [(7, want, 0)] * 2 and batches[0][3] == batches[1][3]
+    assert calls == [("write_v2", 9, 64, 1, 0), ("write_v2", 7, 128, 1, 0)] * 2
+    with ops.batched(7):
+        ops.wait(7, 256, 1)
+    assert calls[-1] == ("wait_v2", 7, 256, 1, 1) and len(batches) == 2
+    lib.cuStreamBatchMemOp_v2 = lambda *args: batches.append(args) or 1  # a driver that refuses batches
+    ops = streamops.StreamOps(lib)
+    with pytest.warns(RuntimeWarning, match="refused a batch"):
+        ops.batch(7, ((streamops.WRITE, 8, 1), (streamops.WAIT, 12, 2)))
+    ops.batch(7, ((streamops.WRITE, 8, 1), (streamops.WAIT, 12, 2)))
+    assert len(batches) == 3 and calls[-4:] == [("write_v2", 7, 8, 1, 0), ("wait_v2", 7, 12, 2, 1)] * 2
+
+
 class RecordingOps:
+    """Records what would be enqueued; batches: the spans of calls made inside batched() blocks."""
+
     def __init__(self):
-        self.calls = []
+        self.calls, self.batches, self._open = [], [], False
+
+    @contextlib.contextmanager
+    def batched(self, stream):
+        if self._open:
+            yield
+            return
+        self._open, start = True, len(self.calls)
+        try:
+            yield
+        finally:
+            self._open = False
+            self.batches.append((start, len(self.calls)))
 
     def write(self, stream, address, value):
         self.calls.append(("write", address, value))
@@ -186,6 +242,7 @@ def test_a_callers_capture_brackets_each_stream_wait_with_its_beacon(monkeypatch
         ("write", mark(1), 0), ("write", up(1), 1),
         ("wait", flag(0, 1, 3, 1), 1), ("write", flag(0, 1, 3, 1), 0), ("write", up(1), 0),
     ]
+    assert ops.batches == [(0, 6), (6, 11)]  # each wait with its beacon's writes: one batch (one graph node)
     assert ws.pending is None and [b.sites[i].what for i in (0, 1)] == ["barrier channel 1", "signal channel 3"]
     assert b.sites[1].peer == 1 and b.sites[0].op == "test" and b.sites[0].owner() is ws
     assert b.sites[0].awaited == [(flag(0, 0, 1, 1), 1)] and b.sites[1].awaited == [(flag(0, 1, 3, 1), 1)]
