@@ -192,7 +192,7 @@ class _Direct:
 
     MAX_ENCODED = 1024  # descriptors kept per kernel; all are forgotten when more come
 
-    __slots__ = ("launch", "head", "descs", "expand", "encoded")
+    __slots__ = ("kernel", "launch", "head", "descs", "expand", "encoded")  # kernel: its module stays loaded
 
     @classmethod
     def of(cls, kernel):
@@ -212,7 +212,7 @@ class _Direct:
         except (AttributeError, KeyError, TypeError, ImportError):  # no wrapper (no descriptors) or another layout
             return kernel
         self = cls()
-        self.launch, self.expand, self.encoded = launch, driver.make_tensordesc_arg, {}
+        self.kernel, self.launch, self.expand, self.encoded = kernel, launch, driver.make_tensordesc_arg, {}
         self.head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
                      None, None, None)
         self.descs = {i: m for i, m in zip(sorted(indices), meta)}
