@@ -188,7 +188,8 @@ class _Direct:
     base ones, then each kernel argument, a descriptor expanded by Triton's own
     make_tensordesc_arg, kept per (position, address, shape, strides, padding): the encoded
     descriptor holds no tensor and equal keys encode equal descriptors. `of(kernel)` returns the
-    kernel itself where its launcher is not of that form (scratch memory, another Triton)."""
+    kernel itself where its launcher is not of that form (scratch memory, not Triton's CUDA
+    launcher; another layout of it: a warning says so, once)."""
 
     MAX_ENCODED = 1024  # descriptors kept per kernel; all are forgotten when more come
 
@@ -196,20 +197,27 @@ class _Direct:
 
     @classmethod
     def of(cls, kernel):
+        run = getattr(kernel, "run", None)
+        if type(run).__name__ != "CudaLauncher":  # Triton's interpreter, another backend
+            return kernel
+        if run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1:
+            return kernel  # scratch memory: Triton's launcher allocates it at each launch
         try:
             from triton.backends.nvidia import driver
 
-            run = kernel.run
             wrapper = run.launch
-            if (run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1
-                    or driver._BASE_ARGS_FORMAT_LEN != 13):
+            if not hasattr(wrapper, "__code__"):  # the C launcher itself (no descriptor arguments): run() is as short
                 return kernel
             closure = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__ or ())))
             launch, indices = closure["launcher"], closure["tensordesc_indices"]
             meta = list(closure["tensordesc_meta"])
-            if not callable(launch) or None in meta or len(meta) != len(indices):
-                return kernel
-        except (AttributeError, KeyError, TypeError, ImportError):  # no wrapper (no descriptors) or another layout
+            if driver._BASE_ARGS_FORMAT_LEN != 13 or not callable(launch) or None in meta or len(meta) != len(indices):
+                raise TypeError("the arguments are laid out otherwise")
+        except (AttributeError, KeyError, TypeError, ImportError) as exc:
+            from asynctp.config import warn_once
+
+            warn_once("fast-launch-direct", f"asynctp: this Triton's CUDA launcher is not the one asynctp calls "
+                      f"directly ({exc!r}); launches go through its Python wrapper (more host time per call)")
             return kernel
         self = cls()
         self.kernel, self.launch, self.expand, self.encoded = kernel, launch, driver.make_tensordesc_arg, {}

@@ -378,7 +378,7 @@ def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
     monkeypatch.setattr(driver, "make_tensordesc_arg", lambda d, meta: encoded.append(d) or [("map", d.base.data_ptr()),
                                                                                               *d.shape, *d.strides])
 
-    class Run:  # Triton's CudaLauncher: its launch wraps the C function (wrap_handle_tensordesc)
+    class CudaLauncher:  # Triton's: its launch wraps the C function (wrap_handle_tensordesc)
         global_scratch_size = profile_scratch_size = 0
         launch_cooperative_grid = launch_pdl = False
 
@@ -387,7 +387,7 @@ def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
             self.launch = driver.wrap_handle_tensordesc(lambda *final: calls.append(final), signature, [{"swizzle": 0}])
 
     class Kernel:
-        function, packed_metadata, run = 11, ("meta",), Run()
+        function, packed_metadata, run = 11, ("meta",), CudaLauncher()
 
     launch, through_triton = _fast_launch(monkeypatch, Kernel())
     base, flags = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32)
@@ -412,6 +412,10 @@ def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
     with pytest.raises(AssertionError, match="16-byte aligned"):
         launch((2,), (desc(off), flags, 3), num_warps=4)
     assert len(through_triton) == 1 and len(calls) == 3
+    Kernel.run.launch = lambda *final: None  # a wrapper of another layout: through it, said once
+    other, _ = _fast_launch(monkeypatch, Kernel())
+    with pytest.warns(RuntimeWarning, match="not the one asynctp calls directly"):
+        other((2,), (flags, 3), num_warps=4)
 
 
 def test_kernel_path_declines_a_cpu_workspace_without_cuda_queries():
