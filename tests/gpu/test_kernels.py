@@ -342,10 +342,10 @@ def test_batched_barriers_between_two_streams():
     them (set the other's flag, wait for its own, reset it: one cuStreamBatchMemOp; a flag pair
     per barrier, as the ops' channels keep a reused flag from being set before its reset); the
     second stream starts 5 ms late. Both pass every barrier and leave every flag reset (a batch
-    keeps its order and waits on the GPU). No kernel between the barriers: in one process, a
-    kernel launched behind a stream wait that only another stream of the process releases
-    blocked the host (single operations as well as batches), which ranks in processes of their
-    own never do."""
+    keeps its order and waits on the GPU). No kernel between the barriers: here a kernel launched
+    behind a stream wait that only the other stream releases blocked the host, single operations
+    as well as batches (a lazy module load is one known cause: runtime/pipeline.py loads its
+    reduction kernels before its waits)."""
     from asynctp.symm import streamops
     from asynctp.symm.streamops import WAIT, WRITE
 
