@@ -188,8 +188,8 @@ class _Direct:
     base ones, then each kernel argument, a descriptor expanded by Triton's own
     make_tensordesc_arg, kept per (position, address, shape, strides, padding): the encoded
     descriptor holds no tensor and equal keys encode equal descriptors. `of(kernel)` returns the
-    kernel itself where its launcher is not of that form (scratch memory, not Triton's CUDA
-    launcher; another layout of it: a warning says so, once)."""
+    kernel itself where its launcher is not of that form (scratch memory; another launcher, or
+    another layout of Triton's CUDA one: a warning says so, once)."""
 
     MAX_ENCODED = 1024  # descriptors kept per kernel; all are forgotten when more come
 
@@ -198,13 +198,15 @@ class _Direct:
     @classmethod
     def of(cls, kernel):
         run = getattr(kernel, "run", None)
-        if type(run).__name__ != "CudaLauncher":  # Triton's interpreter, another backend
+        if not hasattr(run, "launch"):  # Triton's interpreter
             return kernel
-        if run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1:
-            return kernel  # scratch memory: Triton's launcher allocates it at each launch
         try:
             from triton.backends.nvidia import driver
 
+            if type(run).__name__ != "CudaLauncher":
+                raise TypeError(f"a {type(run).__name__}")
+            if run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1:
+                return kernel  # scratch memory: Triton's launcher allocates it at each launch
             wrapper = run.launch
             if not hasattr(wrapper, "__code__"):  # the C launcher itself (no descriptor arguments): run() is as short
                 return kernel
@@ -216,7 +218,7 @@ class _Direct:
         except (AttributeError, KeyError, TypeError, ImportError) as exc:
             from asynctp.config import warn_once
 
-            warn_once("fast-launch-direct", f"asynctp: this Triton's CUDA launcher is not the one asynctp calls "
+            warn_once("fast-launch-direct", f"asynctp: this Triton's kernel launcher is not the CUDA one asynctp calls "
                       f"directly ({exc!r}); launches go through its Python wrapper (more host time per call)")
             return kernel
         self = cls()

@@ -414,7 +414,7 @@ def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
     assert len(through_triton) == 1 and len(calls) == 3
     Kernel.run.launch = lambda *final: None  # a wrapper of another layout: through it, said once
     other, _ = _fast_launch(monkeypatch, Kernel())
-    with pytest.warns(RuntimeWarning, match="not the one asynctp calls directly"):
+    with pytest.warns(RuntimeWarning, match="not the CUDA one asynctp calls directly"):
         other((2,), (flags, 3), num_warps=4)
 
 
