@@ -48,7 +48,7 @@ from asynctp.kernels._rs_gluon import (
     _step, _tile,
 )
 from asynctp.kernels.configs import Config, gluon_fits
-from asynctp.kernels.triton_util import FastLaunch, descriptor, memo_key
+from asynctp.kernels.triton_util import FastLaunch, memo_key
 
 
 @functools.cache
@@ -57,7 +57,7 @@ def _layout(shape: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
 
 
 def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
-    return descriptor(TensorDescriptor, t, shape, strides, block, layout=_layout(tuple(block), t.dtype))
+    return TensorDescriptor(t, shape, strides, block, _layout(tuple(block), t.dtype))
 
 
 @gluon.jit

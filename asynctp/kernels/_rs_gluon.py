@@ -34,7 +34,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from asynctp.kernels._ag_kernel import _scale_mode
 from asynctp.kernels._rs_kernel import operands
 from asynctp.kernels.configs import Config
-from asynctp.kernels.triton_util import FastLaunch, descriptor, memo_key
+from asynctp.kernels.triton_util import FastLaunch, memo_key
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 FP8 = torch.float8_e4m3fn
@@ -354,7 +354,7 @@ def _layout(shape: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
 
 
 def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
-    return descriptor(TensorDescriptor, t, shape, strides, block, layout=_layout(tuple(block), t.dtype))
+    return TensorDescriptor(t, shape, strides, block, _layout(tuple(block), t.dtype))
 
 
 def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides, signals, sig_strides,

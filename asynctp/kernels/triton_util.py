@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-__all__ = ["sm_count", "triton_available", "RawPointer", "FastLaunch", "descriptor", "memo_key"]
+__all__ = ["sm_count", "triton_available", "RawPointer", "FastLaunch", "memo_key"]
 
 
 @functools.cache
@@ -58,6 +58,7 @@ class FastLaunch:
     (its tensors as their addresses, which the launcher takes without asking the driver)."""
 
     MAX_MEMO = 256  # launches kept per kernel; all are forgotten when more come (a loop's come back)
+    MAX_KERNELS = 1024  # compiled kernels kept per kernel function, likewise (keys of shapes that do not come back)
 
     def __init__(self, fn) -> None:
         from triton import knobs
@@ -65,7 +66,6 @@ class FastLaunch:
         self.fn, self._runtime = fn, knobs.runtime
         self.kernels: dict[tuple, object] = {}
         self.fast = True  # False once the compiled launcher refused its arguments (another Triton)
-        self.direct = True  # False: every later launch through the compiled kernel's own launcher
         self.memo: dict[tuple, tuple] = {}
 
     def _hooked(self) -> bool:
@@ -89,8 +89,8 @@ class FastLaunch:
         if isinstance(arg, (torch.Tensor, RawPointer)):
             return arg.dtype, arg.data_ptr() % 16 == 0
         base = getattr(arg, "base", None)
-        if base is not None:  # a TensorDescriptor (made by descriptor(): its checks' outcome is part of the key)
-            return base.dtype, tuple(arg.block_shape), _descriptor_ok(arg)
+        if base is not None:  # a TensorDescriptor
+            return base.dtype, tuple(arg.block_shape)
         return arg
 
     def __call__(self, grid: tuple[int, ...], args: tuple, memo: tuple | None = None, **options) -> None:
@@ -100,16 +100,13 @@ class FastLaunch:
         kernel = self.kernels.get(key)
         hooked = self._hooked()
         if kernel is None or hooked or not self.fast:
-            for arg in args:  # descriptor() leaves the descriptors' checks to the launches through Triton
-                if getattr(arg, "base", None) is not None and hasattr(arg, "__post_init__"):
-                    arg.__post_init__()
             kernel = self.fn[grid](*args, **options)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if not hooked:
-                if len(self.kernels) >= self.MAX_MEMO * 4:  # keys of shapes that do not come back
+                if len(self.kernels) >= self.MAX_KERNELS:
                     self.kernels.clear()
-                self.kernels[key] = _Direct.of(kernel) if self.direct else kernel
+                self.kernels[key] = _Direct.of(kernel)
             return
         stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         try:
@@ -146,34 +143,6 @@ def _memo_part(x):
     if type(x) is RawPointer:
         return x.address, x.dtype
     return x
-
-
-def descriptor(cls, base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int], **fields):
-    """cls(base, shape, strides, block_shape, **fields), a Triton or Gluon TensorDescriptor, without
-    its checks (about 2 us of host each; a launch takes up to six): FastLaunch runs them where a
-    launch goes through Triton, and its key holds whether they pass (_descriptor_ok), so a
-    descriptor that would fail them always goes through Triton and raises there. Made as usual
-    where cls has fields other than those (another Triton)."""
-    if _plain_fields(cls) != {"base", "shape", "strides", "block_shape", "padding", *fields}:
-        return cls(base, shape, strides, block_shape, **fields)
-    desc = object.__new__(cls)
-    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, padding="zero", **fields)
-    return desc
-
-
-@functools.cache
-def _plain_fields(cls) -> frozenset:
-    import dataclasses
-
-    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
-
-
-def _descriptor_ok(desc) -> bool:
-    """What the TensorDescriptors' checks ask of the tensor: a 16-byte aligned base and row strides,
-    the last dimension contiguous, no empty dimension."""
-    size, strides = desc.base.element_size(), desc.strides
-    return (desc.base.data_ptr() % 16 == 0 and strides[-1] == 1 and all(s * size % 16 == 0 for s in strides[:-1])
-            and min(desc.shape) > 0)
 
 
 def _active(hook) -> bool:

@@ -29,7 +29,7 @@ class _Hopper:
 
 
 class _compile_only:
-    """Stands in for a kernel's FastLaunch: compiles (the descriptors' checks run first), keeps nothing."""
+    """Stands in for a kernel's FastLaunch: compiles, keeps nothing."""
 
     def __init__(self, kernel, name: str) -> None:
         self.kernel, self.name = kernel, name
@@ -38,9 +38,6 @@ class _compile_only:
         return False
 
     def __call__(self, grid, args, memo=None, **options):
-        for arg in args:
-            if hasattr(arg, "block_shape"):
-                arg.__post_init__()
         compiled = self.kernel.warmup(*args, grid=grid, **options)
         print(f"{self.name}: compiled, {compiled.metadata.shared} bytes of shared memory")
 

@@ -359,12 +359,12 @@ def test_fast_launch_keys_hooks_and_fallback(monkeypatch):
     assert not launch.fast and len(through_triton) == 5
 
 
-def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
+def test_direct_launches_and_their_memo(monkeypatch):
     """Where the compiled launcher is Triton's CUDA one, later launches call its C function with the
     arguments its wrapper would make, each descriptor encoded once per address; a launch with a
-    memo repeats from again(memo), tensors as addresses (not under a launch hook); descriptors
-    made without their checks get them on the way through Triton, and one that fails them is its
-    own key, so it raises there."""
+    memo repeats from again(memo), tensors as addresses (not under a launch hook); a descriptor
+    that fails Triton's checks raises and launches nothing; a launcher of another layout is
+    launched through its wrapper, with a warning."""
     pytest.importorskip("triton")
     from triton.backends.nvidia import driver
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -372,7 +372,7 @@ def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
     if not hasattr(driver, "wrap_handle_tensordesc"):
         pytest.skip("this Triton's launcher is not the one the direct launches know")
 
-    from asynctp.kernels.triton_util import descriptor, memo_key
+    from asynctp.kernels.triton_util import memo_key
 
     calls, encoded = [], []
     monkeypatch.setattr(driver, "make_tensordesc_arg", lambda d, meta: encoded.append(d) or [("map", d.base.data_ptr()),
@@ -391,7 +391,7 @@ def test_direct_launches_memo_and_unchecked_descriptors(monkeypatch):
 
     launch, through_triton = _fast_launch(monkeypatch, Kernel())
     base, flags = torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32)
-    desc = lambda t: descriptor(TensorDescriptor, t, list(t.shape), [8, 1], [8, 8])  # noqa: E731
+    desc = lambda t: TensorDescriptor(t, list(t.shape), [8, 1], [8, 8])  # noqa: E731
     memo = memo_key(base, flags, 3)
     for _ in range(3):
         launch((2,), (desc(base), flags, 3), memo, num_warps=4)
