@@ -95,9 +95,7 @@ def _device_ready(ws, dtype: torch.dtype) -> str | None:
 def _wait_counter(ws, counter: torch.Tensor, value: int, what: str) -> None:
     """The current stream waits until `counter` (int32 on this device) equals `value`, then
     zeroes it: stream memory operations, no SM."""
-    with ws.batched():  # (the beacon's writes in a caller's capture, the wait, the reset: one batch)
-        ws.watch_device_wait(what, counter, value)
-        ws.wait_value(counter, value, reset=True)
+    ws.wait_value(what, counter, value, reset=True)
 
 
 def _counter(ws, n: int) -> torch.Tensor:
@@ -174,9 +172,7 @@ def _peers(world: int, rank: int) -> list[int]:
 def _wait_flag(ws, flag: torch.Tensor, what: str) -> None:
     """The current stream waits until `flag` (one uint32 of the signal pad) is set; it is not
     reset here (gather_matmul zeroes every flag once the GEMM and the copies are done)."""
-    with ws.batched():
-        ws.watch_device_wait(what, flag)
-        ws.wait_value(flag, 1, reset=False)
+    ws.wait_value(what, flag, 1, reset=False)
 
 
 def gather_matmul(ws, shard_2d: torch.Tensor, bs: list[torch.Tensor], biases: list, *, segment: int = 0,

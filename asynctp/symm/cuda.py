@@ -245,29 +245,27 @@ class CudaWorkspace(Workspace):
         tensor: own signal flags, or a kernel's counters) equals `value`: a timeout names the op,
         the rank and `what`, then writes `value` into each word and aborts the context. For waits
         this workspace does not enqueue itself (a kernel's spins, wait_value)."""
-        with self.batched():  # (a beacon's two writes)
+        with self._batched(torch._C._cuda_getCurrentRawStream(self.device.index)):  # (a beacon's two writes)
             self._watch(what, None, self._timeout(None))
         base = flags.data_ptr()
         for i in range(flags.numel()):
             self._awaited_by(base + 4 * i, value)
 
-    def wait_value(self, word: torch.Tensor, value: int, reset: bool) -> None:
+    def wait_value(self, what: str | Callable[[], str], word: torch.Tensor, value: int, reset: bool) -> None:
         """The current stream waits until `word` (one 32-bit device word) equals `value`, a stream
-        memory operation (no SM); reset: then writes 0 into it. Watch it first (watch_device_wait;
-        both inside one batched() block: one batch of stream operations)."""
+        memory operation (no SM), watched as watch_device_wait says; reset: then writes 0 into it.
+        One batch of stream operations (with the beacon's writes in a caller's capture)."""
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         with self._batched(stream):
+            self.watch_device_wait(what, word, value)
             self._ops.wait(stream, word.data_ptr(), value)
             if reset:
                 self._ops.write(stream, word.data_ptr(), 0)
             self._leave()
 
-    def batched(self) -> contextlib.AbstractContextManager:
-        """The stream memory operations this workspace enqueues on the current stream inside go to
-        the GPU as one batch (streamops.StreamOps.batched: nothing else may be enqueued there)."""
-        return self._batched(torch._C._cuda_getCurrentRawStream(self.device.index))
-
     def _batched(self, stream: int) -> contextlib.AbstractContextManager:
+        """The stream memory operations enqueued on `stream` inside go to the GPU as one batch
+        (streamops.StreamOps.batched: nothing else may be enqueued there)."""
         return self._ops.batched(stream) if self._ops is not None else contextlib.nullcontext()
 
     def _awaited_by(self, address: int, value: int) -> None:

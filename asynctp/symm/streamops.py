@@ -92,23 +92,23 @@ class StreamOps:
 
     def write(self, stream: int, address: int, value: int) -> None:
         """Enqueue on `stream`: *address = value, after everything before it on the stream."""
-        pending = getattr(self._local, "pending", None)
-        if pending is not None and pending[0] == stream:
-            pending[1].append((WRITE, address, value))
-            return
-        rc = self._write(stream, address, value & 0xFFFFFFFF, _WRITE_DEFAULT)
-        if rc:
-            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {rc}")
+        self._enqueue(stream, WRITE, address, value)
 
     def wait(self, stream: int, address: int, value: int) -> None:
         """Enqueue on `stream`: wait until *address == value."""
+        self._enqueue(stream, WAIT, address, value)
+
+    def _enqueue(self, stream: int, kind: int, address: int, value: int) -> None:
+        """One operation: into this thread's open batch on `stream`, else one driver call."""
         pending = getattr(self._local, "pending", None)
         if pending is not None and pending[0] == stream:
-            pending[1].append((WAIT, address, value))
+            pending[1].append((kind, address, value))
             return
-        rc = self._wait(stream, address, value & 0xFFFFFFFF, _WAIT_EQ)
+        wait = kind == WAIT
+        rc = (self._wait if wait else self._write)(stream, address, value & 0xFFFFFFFF,
+                                                   _WAIT_EQ if wait else _WRITE_DEFAULT)
         if rc:
-            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {rc}")
+            raise RuntimeError(f"cuStream{'Wait' if wait else 'Write'}Value32 failed with CUresult {rc}")
 
     def batch(self, stream: int, ops: tuple[tuple[int, int, int], ...]) -> None:
         """Enqueue on `stream`, in their order, the operations (kind, address, value): WAIT until
@@ -132,12 +132,8 @@ class StreamOps:
             warn_once("asynctp-batch-memops", f"asynctp: the CUDA driver refused a batch of stream memory operations "
                       f"(cuStreamBatchMemOp, CUresult {rc}); each is enqueued on its own (more host time per call)")
             self._batch = None
-        for kind, address, value in ops:
-            wait = kind == WAIT
-            rc = (self._wait if wait else self._write)(stream, address, value & 0xFFFFFFFF,
-                                                       _WAIT_EQ if wait else _WRITE_DEFAULT)
-            if rc:
-                raise RuntimeError(f"cuStream{'Wait' if wait else 'Write'}Value32 failed with CUresult {rc}")
+        for op in ops:  # (called inside an open batch on `stream`, they join it)
+            self._enqueue(stream, *op)
 
 
 def _entry(lib: Any, name: str) -> Any:

@@ -248,6 +248,25 @@ def test_a_callers_capture_brackets_each_stream_wait_with_its_beacon(monkeypatch
     assert b.sites[0].awaited == [(flag(0, 0, 1, 1), 1)] and b.sites[1].awaited == [(flag(0, 1, 3, 1), 1)]
 
 
+def test_a_counter_wait_is_watched_and_enqueued_as_one_batch(monkeypatch):
+    """wait_value (the kernel path's waits on a GEMM's tile counters): in a caller's capture its
+    beacon's writes, the wait and the reset are one batch, and the beacon names what it awaits."""
+    from asynctp.symm.beacons import Beacons
+
+    ops = RecordingOps()
+    b = Beacons(torch.zeros(8, dtype=torch.int32), ops.write)
+    up = lambda slot: b.words.data_ptr() + 4 * slot  # noqa: E731
+    mark = lambda slot: b.words.data_ptr() + 4 * (4 + slot)  # noqa: E731
+    ws, _ = fake_workspace(monkeypatch, rank=0, world=2, capturing=True, beacons=b)
+    ws._ops = ops
+    counter = torch.zeros(1, dtype=torch.int32)
+    ws.wait_value("rank 1's block 0", counter, 12, reset=True)
+    word = counter.data_ptr()
+    assert ops.calls == [("write", mark(0), 0), ("write", up(0), 1), ("wait", word, 12), ("write", word, 0),
+                         ("write", up(0), 0)]
+    assert ops.batches == [(0, 5)] and b.sites[0].what == "rank 1's block 0" and b.sites[0].awaited == [(word, 12)]
+
+
 def test_an_abort_releases_a_captured_wait_with_the_value_it_awaits(monkeypatch):
     """Two ops in one caller's graph: each opening barrier awaits its own call's signature on the
     same flags. A rank stuck at the first one is left with the first signature, not with the last
