@@ -361,8 +361,9 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
            counters, reduce_op, a_scale, b_scale, bias, cfg: Config, num_sms: int) -> int:
     memo = memo_key(a, b, partials, received, out, items, rank, world, blocks, a_strides, signals, sig_strides,
                     counters, reduce_op, a_scale, b_scale, bias, cfg, num_sms)
-    if _launch.again(memo):  # the same arguments as a launch before: its tiles per block
-        return (out.shape[0] // blocks // cfg.block_m) * triton.cdiv(out.shape[1], cfg.block_n)
+    tiles = (out.shape[0] // blocks // cfg.block_m) * triton.cdiv(out.shape[1], cfg.block_n)  # per block
+    if _launch.again(memo):  # the same arguments as a launch before
+        return tiles
     fp8 = a.dtype == FP8
     m, n, k, br, b_args, b_trans = operands(a, b, out, blocks, cfg)
     if (a.dtype not in _DTYPES or b.dtype != a.dtype or out.dtype not in _GL_DTYPES or partials.dtype != out.dtype
@@ -378,7 +379,6 @@ def launch(a, b, partials, received, out, items, rank, world, blocks, a_strides,
     part_desc = _desc(partials, [(world - 1) * m, n], [n, 1], [bm, bn])  # slot's rows from slot * m
     out_desc = _desc(out, [m, n], [n, 1], [bm, bn])
     num_items = items.numel() // 3
-    tiles = (br // bm) * triton.cdiv(n, bn)
     grid = (max(1, min(num_sms, num_items * tiles)), )
     stages = max(2, min(cfg.stages, triton.cdiv(k, bk) + 1))  # the prologue loads STAGES - 1 K-steps of one tile
     dummy = out
